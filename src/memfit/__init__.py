@@ -1,0 +1,12 @@
+"""memfit: fit a PyTorch training run into the memory you have, and run it as fast as that memory allows.
+
+Public API: Workload, Config, estimate, TrainStep (and the `memfit` command).
+"""
+from memfit.config import Config
+from memfit.memory.estimate import Estimate, EstimateError, estimate
+from memfit.step import TrainStep
+from memfit.workload import Workload, WorkloadError, load_workload
+
+__all__ = ["Config", "Estimate", "EstimateError", "TrainStep", "Workload", "WorkloadError", "estimate",
+           "load_workload"]
+__version__ = "0.1.0"

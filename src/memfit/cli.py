@@ -1,0 +1,134 @@
+"""The `memfit` command. Errors are one line on stderr and exit status 2; --debug shows the traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memfit.config import PRECISIONS, Config
+
+
+def _checkpoint_arg(text: str):
+    if text in ("none", "all", "selective"):
+        return text
+    if text.isdigit():
+        return int(text)
+    return tuple(name for name in text.split(",") if name)
+
+
+def _options(args) -> dict:
+    """Options for built-in workloads: --seq and repeated -o key=value (ints where they look like ints)."""
+    opts = {}
+    for item in args.option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"option {item!r} must be key=value")
+        opts[key] = int(value) if value.lstrip("-").isdigit() else value
+    if args.seq is not None:
+        opts["seq"] = args.seq
+    return opts
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="built-in name (gpt-7b, resnet, mlp, hf:llama, ...) or path/to/job.py:function")
+    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per forward/backward pass")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--checkpoint", type=_checkpoint_arg, default="none",
+                   help="none | all | selective | k (every k-th block) | name,name,...")
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
+
+
+def _config(args) -> Config:
+    if args.config:
+        text = args.config
+        if not text.lstrip().startswith("{"):
+            with open(text) as f:
+                text = f.read()
+        return Config.from_json(text)
+    return Config(micro_batch=args.micro_batch, grad_accum=args.grad_accum, precision=args.precision,
+                  checkpoint=args.checkpoint, offload_activations=args.offload_activations,
+                  offload_optimizer=args.offload_optimizer)
+
+
+def cmd_estimate(args) -> int:
+    from memfit.memory.devices import get_device
+    from memfit.memory.estimate import estimate
+    from memfit.workload import load_workload
+
+    config = _config(args)
+    device = get_device(args.device)
+    workload = load_workload(args.workload, **_options(args))
+    est = estimate(workload, config, device=device)
+    if args.json:
+        print(json.dumps(est.to_dict()))
+    else:
+        from rich.console import Console
+
+        from memfit.report.tables import estimate_view
+        Console().print(estimate_view(est))
+    return 0
+
+
+def cmd_summary(args) -> int:
+    from memfit.memory.summary import summarize
+    from memfit.workload import load_workload
+
+    workload = load_workload(args.workload, **_options(args))
+    rows = summarize(workload, _config(args))
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows]))
+    else:
+        from rich.console import Console
+
+        from memfit.report.tables import summary_view
+        Console().print(summary_view(workload.name, rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("estimate", help="peak memory of one training step, traced on fake tensors")
+    _add_workload_args(p)
+    _add_config_args(p)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU: h100, a100-80gb, rtx-4090, ...")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(fn=cmd_estimate)
+
+    p = sub.add_parser("summary", help="per-module table: output shapes, parameters, saved activations, FLOPs")
+    _add_workload_args(p)
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_summary)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the user gets one line, the developer --debug
+        if debug:
+            raise
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"memfit: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Memory: counting live tensor bytes (real or fake), the device catalogue, the CUDA allocator model."""

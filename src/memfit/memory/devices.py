@@ -1,0 +1,259 @@
+"""Catalogue of target devices, so memfit can answer "does this fit on an H100?" without one.
+
+Conventions used by every catalogue entry (each figure's basis is noted beside it):
+
+* memory_bytes is what ``torch.cuda.get_device_properties(i).total_memory`` reports, i.e. the
+  memory a PyTorch process can actually address. This is *less* than the marketing size
+  (80 GB) and less than nvidia-smi's total, because the driver keeps some for itself (ECC,
+  page tables, reserved regions). Figures are binary GiB as PyTorch prints them in its OOM
+  message ("GPU 0 has a total capacity of 79.11 GiB"), kept at MiB granularity. They drift by
+  ~0.05 GiB between driver versions. Where no PyTorch figure was found, the entry says
+  "estimate": nvidia-smi's total minus the gap seen on a sibling card.
+* peak_flops are dense (no 2:4 sparsity) peaks from NVIDIA's data sheets, in FLOP/s. bf16/fp16
+  are tensor-core figures with FP32 accumulation, which is what PyTorch's matmuls use. That
+  halves the GeForce figures quoted "with FP16 accumulate". A precision the hardware has no
+  fast path for (tf32 before Ampere, bf16 on Volta/Turing) gets the fp32 figure, since that
+  is roughly what such a matmul runs at.
+* memory_bandwidth is the data-sheet peak, in bytes/s.
+* host_bandwidth is a realistic *achieved* pinned-memory copy rate per direction, not the
+  link's peak: PCIe 3.0 x16 ~12 GB/s (peak 15.8), 4.0 x16 ~25 GB/s (peak 31.5),
+  5.0 x16 ~50 GB/s (peak 63).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import platform
+import re
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str                 # catalogue key, e.g. "h100"
+    kind: str                 # "cuda" or "cpu"
+    description: str          # "NVIDIA H100 SXM5 80GB"
+    memory_bytes: int         # usable device memory, as torch's total_memory reports it
+    # dense peak FLOP/s by "fp32", "tf32", "bf16", "fp16"; {} = unknown. Left out of the hash so that
+    # a Device still works as a dict key or cache key.
+    peak_flops: dict = dataclasses.field(hash=False)
+    memory_bandwidth: float   # bytes/s; 0.0 = unknown
+    host_bandwidth: float     # bytes/s host<->device per direction, achieved (see module doc)
+    compute_capability: tuple[int, int] | None
+    bf16: bool                # native bf16 support
+    context_bytes: int        # CUDA context + library code outside PyTorch's allocator
+    cublas_workspace_bytes: int  # cuBLAS workspace PyTorch takes from its caching allocator
+
+
+def _gib(value: float) -> int:
+    """A GiB figure as PyTorch prints it (two decimals) -> bytes, rounded to a whole MiB."""
+    return round(value * 1024) * MiB
+
+
+def _flops(fp32: float, tf32: float, bf16: float, fp16: float) -> dict:
+    """Data-sheet TFLOP/s -> FLOP/s."""
+    return {"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": fp16 * 1e12}
+
+
+def context_bytes_for(compute_capability: tuple[int, int] | None) -> int:
+    """Memory a PyTorch process holds outside its caching allocator: the CUDA context plus the
+    cuBLAS/cuDNN kernels it loads. This is the gap nvidia-smi shows above
+    torch.cuda.memory_reserved(). It is an assumption per architecture, not a measurement.
+    The figures are typical nvidia-smi readings of a process that has run a matmul, under
+    CUDA 12 with lazy module loading (CUDA_MODULE_LOADING=LAZY, the default). Roughly 300 MiB
+    on Volta/Turing, 400 MiB on Ampere/Ada, 500 MiB on Hopper and later. It grows with cuDNN
+    convolutions, NCCL and Triton kernels, so calibrate it on real hardware when it matters."""
+    if compute_capability is None:
+        return 0
+    major = compute_capability[0]
+    if major >= 9:
+        return 500 * MiB
+    if major == 8:
+        return 400 * MiB
+    return 300 * MiB
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: str | None = None) -> int:
+    """Size of the cuBLAS workspace PyTorch allocates, through its caching allocator, per
+    (handle, stream) pair (aten/src/ATen/cuda/CublasHandlePool.cpp).
+
+    CUBLAS_WORKSPACE_CONFIG is a list of ":SIZE_KiB:COUNT" pairs, summed. Unset, PyTorch uses
+    ":4096:8" (32 MiB) on Hopper and Blackwell and ":4096:2:16:8" (8 MiB + 128 KiB) elsewhere.
+    Releases up to ~2.5 used 32 MiB on sm_90 only; later ones use it for major 9, 10, 11 and 12.
+    One caveat: PyTorch 2.x also gives cuBLASLt its own workspace of CUBLASLT_WORKSPACE_SIZE
+    (1 MiB by default). That one is not counted here."""
+    if compute_capability is None:
+        return 0
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if pairs:  # PyTorch falls back to the default when nothing parses, and so do we
+            return sum(int(size) * KiB * int(count) for size, count in pairs)
+    if compute_capability[0] in (9, 10, 11, 12):
+        return 4096 * KiB * 8
+    return 4096 * KiB * 2 + 16 * KiB * 8
+
+
+_PCIE3, _PCIE4, _PCIE5 = 12e9, 25e9, 50e9
+
+
+def _gpu(name, description, memory_bytes, peak_flops, memory_bandwidth, host_bandwidth, cc, bf16) -> Device:
+    return Device(name, "cuda", description, memory_bytes, peak_flops, memory_bandwidth, host_bandwidth,
+                  cc, bf16, context_bytes_for(cc), cublas_workspace_bytes(cc))
+
+
+# Memory sources: "oom" means PyTorch's OOM message as quoted in public issue reports.
+# "smi" means nvidia-smi / NVML totals, as tabled at thundergolfer.com/blog/nvidia-gpu-memory-capacity.
+_CATALOGUE = [
+    # Hopper. H100 SXM: oom 79.11 GiB (vllm-project/vllm#27508); smi 81,559 MiB.
+    _gpu("h100", "NVIDIA H100 SXM5 80GB", _gib(79.11),
+         _flops(66.9, 494.7, 989.4, 989.4), 3.35e12, _PCIE5, (9, 0), True),
+    # H100 PCIe (80GB HBM2e, 114 SMs). Memory is an estimate: same smi total as SXM.
+    _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", _gib(79.11),
+         _flops(51.2, 378.0, 756.0, 756.0), 2.0e12, _PCIE5, (9, 0), True),
+    # H200 SXM: H100 SXM compute, 141 GB HBM3e. Memory is an estimate: smi 143,771 MiB, minus
+    # the 550 MiB gap between smi and torch seen on H100.
+    _gpu("h200", "NVIDIA H200 SXM 141GB", (143_771 - 550) * MiB,
+         _flops(66.9, 494.7, 989.4, 989.4), 4.8e12, _PCIE5, (9, 0), True),
+    # Ampere. A100 80GB: oom 79.25 GiB (levihsu/OOTDiffusion#235); smi 81,920 MiB.
+    _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", _gib(79.25),
+         _flops(19.5, 156.0, 312.0, 312.0), 2.039e12, _PCIE4, (8, 0), True),
+    # A100 40GB: deviceQuery totalGlobalMem 42,298,834,944 B (bottlerocket-os/bottlerocket#3873).
+    _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", 42_298_834_944,
+         _flops(19.5, 156.0, 312.0, 312.0), 1.555e12, _PCIE4, (8, 0), True),
+    # A10G (AWS G5): oom 22.20 GiB (XavierXiao/Dreambooth-Stable-Diffusion#18, h2oai/h2ogpt#48).
+    # AWS's A10G variant trades tensor throughput for clocks: ~70 dense bf16/fp16 TFLOP/s
+    # against the A10's 125 (per Baseten's A10-vs-A10G comparison). Less certain than the rest.
+    _gpu("a10g", "NVIDIA A10G 24GB (AWS G5)", _gib(22.20),
+         _flops(31.52, 35.0, 70.0, 70.0), 600e9, _PCIE4, (8, 6), True),
+    # RTX 3090: oom 23.69-23.70 GiB (GaoLii/DSP#10). GA102 whitepaper, FP32 accumulate.
+    _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", _gib(23.69),
+         _flops(35.6, 35.6, 71.0, 71.0), 936e9, _PCIE4, (8, 6), True),
+    # Ada. L4: memory is an estimate. smi shows 23,034 MiB, the same as the A10G's 23,028.
+    _gpu("l4", "NVIDIA L4 24GB", _gib(22.20),
+         _flops(30.3, 60.0, 121.0, 121.0), 300e9, _PCIE4, (8, 9), True),
+    # L40S: memory is an estimate. smi 46,068 MiB, minus the ~300 MiB GDDR6 gap seen on A10G/T4.
+    _gpu("l40s", "NVIDIA L40S 48GB", (46_068 - 300) * MiB,
+         _flops(91.6, 183.0, 362.0, 362.0), 864e9, _PCIE4, (8, 9), True),
+    # RTX 4090: oom 23.64 GiB (ali-vilab/VGen#104, 3DTopia/Phidias-Diffusion#8). Ada whitepaper,
+    # FP32 accumulate.
+    _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", _gib(23.64),
+         _flops(82.6, 82.6, 165.2, 165.2), 1008e9, _PCIE4, (8, 9), True),
+    # Turing. T4: oom 14.75 GiB (googlecolab/colabtools#3439); smi 15,360 MiB. No TF32, no bf16.
+    _gpu("t4", "NVIDIA Tesla T4 16GB", _gib(14.75),
+         _flops(8.1, 8.1, 8.1, 65.0), 320e9, _PCIE3, (7, 5), False),
+    # Volta (SXM2, whose host link is PCIe 3.0 x16; NVLink only joins the GPUs). No TF32, no bf16.
+    # V100 32GB: oom 31.75 GiB (hiyouga/LlamaFactory#182). V100 16GB: oom 15.78 GiB
+    # (googlecolab/colabtools#2001).
+    _gpu("v100-32gb", "NVIDIA Tesla V100 SXM2 32GB", _gib(31.75),
+         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False),
+    _gpu("v100-16gb", "NVIDIA Tesla V100 SXM2 16GB", _gib(15.78),
+         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False),
+]
+
+DEVICES: dict[str, Device] = {d.name: d for d in _CATALOGUE}
+
+ALIASES: dict[str, str] = {
+    "a100": "a100-80gb",
+    "v100": "v100-32gb",
+    "4090": "rtx-4090",
+    "3090": "rtx-3090",
+    "h100-sxm": "h100",
+}
+
+# How a present GPU's name (torch's props.name, e.g. "NVIDIA H100 80GB HBM3") maps onto the
+# catalogue. The first pattern that matches wins, so specific ones come first.
+_NAME_PATTERNS = [
+    (r"h200", "h200"),
+    (r"h100.*(pcie|nvl)", "h100-pcie"),
+    (r"h100", "h100"),
+    (r"a100.*80", "a100-80gb"),
+    (r"a100", "a100-40gb"),
+    (r"a10g", "a10g"),
+    (r"l40s", "l40s"),
+    (r"\bl4\b", "l4"),
+    (r"4090", "rtx-4090"),
+    (r"3090", "rtx-3090"),
+    (r"\bt4\b", "t4"),
+    (r"v100.*32", "v100-32gb"),
+    (r"v100", "v100-16gb"),
+]
+
+
+def device_names() -> list[str]:
+    """Catalogue keys, sorted (aliases, "cpu" and "cuda" excluded)."""
+    return sorted(DEVICES)
+
+
+def _normalise(name: str) -> str:
+    key = re.sub(r"[\s_]+", "-", name.strip().lower())
+    return re.sub(r"-+", "-", key).strip("-")
+
+
+def get_device(name: str) -> Device:
+    """Look a device up by catalogue name or alias. Case doesn't matter, and `_` or a space
+    counts as `-`. "cpu" describes this machine, and "cuda" or "cuda:N" the GPU present."""
+    key = _normalise(name)
+    if key == "cpu":
+        return _host_cpu()
+    if key == "cuda" or key.startswith("cuda:"):
+        return _present_gpu(key)
+    key = ALIASES.get(key, key)
+    if key in DEVICES:
+        return DEVICES[key]
+    known = ["cpu", "cuda"] + device_names()
+    close = difflib.get_close_matches(key, known + list(ALIASES), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown device {name!r}{hint}; known devices: {', '.join(known)}")
+
+
+def _host_cpu() -> Device:
+    """This machine as a training target. FLOP/s and DRAM bandwidth are unknown until
+    calibrated. host_bandwidth is infinite because tensors already live in host memory, so
+    "offloading" them moves nothing."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): size unknown
+        memory = 0
+    cores = os.cpu_count() or 0
+    desc = f"host CPU ({platform.machine() or 'unknown'}, {cores} logical cores)"
+    return Device("cpu", "cpu", desc, memory, {}, 0.0, math.inf, None, True, 0, 0)
+
+
+def _present_gpu(key: str) -> Device:
+    """Describe the GPU this process can see. Memory and compute capability come from the
+    driver. FLOP/s and bandwidths are borrowed from the catalogue entry the name matches, and
+    stay unknown ({} / 0.0) for a GPU the catalogue lacks."""
+    import torch  # deferred: the catalogue itself must not need torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise ValueError("no CUDA GPU is present; name a catalogue device instead, e.g. --device h100")
+    index = 0
+    if ":" in key:
+        try:
+            index = int(key.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"malformed device {key!r}: use cuda or cuda:N") from None
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"no CUDA device {index}: this machine has {torch.cuda.device_count()}")
+    props = torch.cuda.get_device_properties(index)
+    cc = (props.major, props.minor)
+    lowered = props.name.lower()
+    match = next((DEVICES[k] for pattern, k in _NAME_PATTERNS if re.search(pattern, lowered)), None)
+    return Device(
+        name=f"cuda:{index}",
+        kind="cuda",
+        description=props.name,
+        memory_bytes=int(props.total_memory),
+        peak_flops=dict(match.peak_flops) if match else {},
+        memory_bandwidth=match.memory_bandwidth if match else 0.0,
+        host_bandwidth=match.host_bandwidth if match else _PCIE4,
+        compute_capability=cc,
+        bf16=cc >= (8, 0),
+        context_bytes=context_bytes_for(cc),
+        cublas_workspace_bytes=cublas_workspace_bytes(cc, os.environ.get("CUBLAS_WORKSPACE_CONFIG")),
+    )

@@ -1,0 +1,329 @@
+"""`estimate`: the peak memory of one steady-state training step, traced on fake tensors.
+
+How: build the model and optimizer under `FakeTensorMode` (no data, no real memory), run one step so the
+optimizer state exists, then run the measured step with a `LiveBytes` counter active. Everything live at the
+peak is labelled (parameters, gradients, optimizer state, inputs, activations saved for backward,
+temporaries). For a GPU target the same trace is replayed through the CUDA caching-allocator model.
+Where fake tensors cannot follow the model (data-dependent shapes, `.item()`), real CPU steps at small
+micro-batches are measured and extrapolated, and the estimate says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import pickle
+import signal
+from typing import Callable
+
+import torch
+
+from memfit.config import Config
+from memfit.memory import allocator
+from memfit.memory.devices import Device, get_device
+from memfit.memory.fake import FakeTensor, FlopCounterMode, new_fake_mode
+from memfit.memory.tracker import LiveBytes, ModuleScope
+from memfit.step import TrainStep
+from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
+
+
+class EstimateError(Exception):
+    """The step could not be traced, measured or extrapolated; the message says why."""
+
+
+@dataclasses.dataclass
+class Estimate:
+    workload: str
+    config: dict
+    device: str
+    method: str                 # "fake" (traced) | "measured" | "extrapolated" (real CPU steps, fallback)
+    peak_bytes: int             # peak of live tensor bytes on the device during one step, inputs included
+    breakdown: dict             # category -> bytes live at the peak
+    model_state_bytes: dict     # category -> bytes at rest after the step (parameters, gradients, optimizer_state)
+    peak_phase: str             # forward | backward | optimizer
+    modules: list               # [(module, bytes)] activations + temporaries live at the peak, by creator
+    top_tensors: list           # [dict] largest storages live at the peak
+    timeline: dict              # {"index": [...], "phase": [...], category: [...]}: bytes by category over the step
+    flops: int                  # FLOPs of the step (FlopCounterMode), forward + backward (+ recompute)
+    module_flops: dict          # module -> FLOPs
+    parameters: int             # parameter count (tied weights once)
+    notes: list                 # assumptions and fallbacks, in words
+    device_total_bytes: int | None = None
+    peak_allocated_bytes: int | None = None   # CUDA: predicted torch.cuda.max_memory_allocated()
+    peak_reserved_bytes: int | None = None    # CUDA: predicted torch.cuda.max_memory_reserved()
+    device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        used = self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_bytes
+        return None if self.device_total_bytes is None else self.device_total_bytes - used
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["headroom_bytes"] = self.headroom_bytes
+        return d
+
+
+def estimate(workload: Workload, config: Config | None = None, device: str | Device = "cpu",
+             isolate: bool = True, **config_fields) -> Estimate:
+    """Peak memory of one steady-state `TrainStep` call for `config` on `device` (a catalogue name).
+
+    isolate: trace in a forked child so that a C++ abort inside PyTorch becomes an EstimateError.
+    """
+    config = config or Config()
+    if config_fields:
+        config = config.replace(**config_fields)
+    dev = device if isinstance(device, Device) else get_device(device)
+    run = _run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
+    try:
+        return run(lambda: _trace(workload, config, dev, fake=True))
+    except (WorkloadError, EstimateError):
+        raise
+    except Exception as fake_error:
+        reason = f"{type(fake_error).__name__}: {str(fake_error).splitlines()[0] if str(fake_error) else ''}"
+    return run(lambda: _fallback(workload, config, dev, reason))
+
+
+# ------------------------------------------------------------------------------------------- the trace
+
+def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estimate:
+    cuda_target = dev.kind == "cuda"
+    notes: list[str] = []
+    # A GPU target is traced on (fake) CPU; model what differs: the micro-batch is copied host -> device,
+    # and optimizers default to their foreach kernels on CUDA (one temporary per parameter at once).
+    move = _copy_to_device if cuda_target else move_batch
+    mode = new_fake_mode() if fake else None
+    with mode or _no_mode():
+        step = TrainStep(workload, config, "cpu", move=move)
+        step.tracing = fake
+        if cuda_target and _use_foreach(step.optimizer):
+            notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
+        if cuda_target:
+            notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
+                         "attention save (output + fp32 logsumexp)")
+        step(workload.batch(config.global_batch))  # warm-up: optimizer state and scaler state now exist
+        batch = workload.batch(config.global_batch)
+        tracker = LiveBytes("cpu")
+        if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
+            tracker.exclude.update(LiveBytes._key(t) for t in tensors_of(batch))
+        else:
+            tracker.track(tensors_of(batch), category="inputs")
+        tracker.track(_preexisting(step, mode))
+        saved: set[int] = set()
+
+        def pack(t):
+            saved.add(LiveBytes._key(t)) if t.device.type == "cpu" else None
+            return t
+
+        step.on_phase = tracker.mark
+        step.move = lambda b, d: _tag(tracker, move(b, d))
+        scope = ModuleScope(step.model, tracker)
+        flops = FlopCounterMode(display=False)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, tracker:
+                step(batch)
+        finally:
+            scope.remove()
+            tracker.close()
+        labels = _labels(step, tracker, saved)
+        model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
+                       for c in ("parameters", "gradients", "optimizer_state")}
+        n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
+    est = _summarise(workload, config, dev, tracker, labels, model_state, flops, n_params, notes)
+    est.method = "fake" if fake else "measured"
+    if cuda_target:
+        _add_cuda_figures(est, tracker, dev)
+    return est
+
+
+class _no_mode:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _copy_to_device(batch, device):
+    return map_tensors(batch, lambda t: t.clone())
+
+
+def _tag(tracker: LiveBytes, batch):
+    tracker.tag(tensors_of(batch), "inputs")
+    return batch
+
+
+def _use_foreach(opt: torch.optim.Optimizer) -> bool:
+    changed = False
+    for group in opt.param_groups:
+        if group.get("foreach", False) is None and not group.get("fused"):
+            group["foreach"] = True
+            changed = True
+    return changed
+
+
+def _preexisting(step: TrainStep, mode) -> list[torch.Tensor]:
+    """Tensors alive before the measured step: on fake tensors every one of this mode (anything a model
+    keeps in a plain attribute too); on real ones, what the step owns."""
+    if mode is not None:
+        return [o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode]
+    owned = list(step.model.parameters()) + list(step.model.buffers())
+    owned += [p.grad for p in step.model.parameters() if p.grad is not None]
+    owned += [t for s in step.optimizer.state.values() for t in tensors_of(dict(s))]
+    if step.scaler is not None and step.scaler._scale is not None:
+        owned += [step.scaler._scale, step.scaler._growth_tracker]
+    return owned
+
+
+def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, str]:
+    """Category of every storage seen; earlier rules win (a weight saved for backward is a parameter)."""
+    labels: dict[int, str] = {}
+
+    def put(tensors, category):
+        for t in tensors:
+            labels.setdefault(LiveBytes._key(t), category)
+
+    for key, info in tracker.infos.items():
+        if info.category:
+            labels[key] = info.category
+    put(step.model.parameters(), "parameters")
+    put(step.model.buffers(), "parameters")
+    put([p.grad for p in step.model.parameters() if p.grad is not None], "gradients")
+    put([t for s in step.optimizer.state.values() for t in tensors_of(dict(s))], "optimizer_state")
+    if step.scaler is not None and step.scaler._scale is not None:
+        put([step.scaler._scale, step.scaler._growth_tracker], "optimizer_state")
+    for key in tracker.infos:
+        labels.setdefault(key, "activations" if key in saved else "temporaries")
+    return labels
+
+
+def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, flops, n_params, notes) -> Estimate:
+    live = tracker.live_at_peak()
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    by_module: dict[str, int] = {}
+    for key, nbytes in live.items():
+        cat = labels[key]
+        breakdown[cat] += nbytes
+        if cat in ("activations", "temporaries"):
+            mod = tracker.infos[key].module or "(outside modules)"
+            by_module[mod] = by_module.get(mod, 0) + nbytes
+    top = sorted(live, key=live.get, reverse=True)[:12]
+    top_tensors = [dict(bytes=live[k], category=labels[k], **{f: getattr(tracker.infos[k], f) for f in
+                                                             ("shape", "dtype", "op", "module", "phase")})
+                   for k in top]
+    for t in top_tensors:
+        t["shape"] = list(t["shape"])
+    peak_phase = "setup"
+    for index, phase in tracker.marks:
+        if index <= tracker.peak_index:
+            peak_phase = phase
+    module_flops = {m: sum(c.values()) for m, c in flops.get_flop_counts().items()}
+    return Estimate(
+        workload=workload.name, config=config.to_dict(), device=dev.name, method="fake",
+        peak_bytes=tracker.peak, breakdown=breakdown, model_state_bytes=model_state, peak_phase=peak_phase,
+        modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:20], top_tensors=top_tensors,
+        timeline=_timeline(tracker, labels), flops=flops.get_total_flops(), module_flops=module_flops,
+        parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes,
+    )
+
+
+def _timeline(tracker: LiveBytes, labels: dict[int, str], points: int = 1500) -> dict:
+    """Bytes by category after each event, thinned to about `points` samples (the peak always kept)."""
+    events = tracker.events
+    stride = max(1, len(events) // points)
+    totals = dict.fromkeys(CATEGORIES, 0)
+    out: dict[str, list] = {"index": [], "phase": [], **{c: [] for c in CATEGORIES}}
+    marks = dict(tracker.marks)
+    phase = "setup"
+    for i, (key, delta) in enumerate(events):
+        phase = marks.get(i, phase)
+        totals[labels[key]] += delta
+        if i % stride == 0 or i == tracker.peak_index or i == len(events) - 1:
+            out["index"].append(i)
+            out["phase"].append(phase)
+            for c in CATEGORIES:
+                out[c].append(totals[c])
+    return out
+
+
+def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
+    """Replay the trace through the caching-allocator model. cuBLAS keeps a workspace in PyTorch's pool
+    from the first matmul on, and the CUDA context sits outside the pool altogether."""
+    events = [("cublas-workspace", dev.cublas_workspace_bytes)] + tracker.events
+    est.peak_allocated_bytes, est.peak_reserved_bytes = allocator.simulate(events)
+    est.device_peak_bytes = est.peak_reserved_bytes + dev.context_bytes
+    est.notes.append(f"CUDA context and library handles assumed {dev.context_bytes / 2**20:.0f} MiB "
+                     f"(catalogue figure for {dev.name}, outside PyTorch's allocator)")
+
+
+# ------------------------------------------------------------------------------------------- fallback
+
+def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Estimate:
+    """Fake tensors could not follow the step. Measure real CPU steps at small micro-batches and
+    extrapolate linearly in the micro-batch (activations scale with it; model state does not)."""
+    small = [m for m in (1, 2) if m <= config.micro_batch] if config.micro_batch > 2 else [config.micro_batch]
+    try:
+        points = [_trace(workload, config.replace(micro_batch=m), dev, fake=False) for m in small]
+    except Exception as e:
+        raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
+    est = points[-1]
+    why = f"fake tensors could not follow this step ({reason})"
+    if len(points) == 1:
+        est.method = "measured"
+        est.notes.insert(0, f"{why}; measured a real CPU step at micro-batch {config.micro_batch}")
+        return est
+    (m1, e1), (m2, e2) = zip(small, points)
+    scale = (config.micro_batch - m2) / (m2 - m1)
+
+    def extrapolate(a: int, b: int) -> int:
+        return int(round(b + (b - a) * scale))
+
+    est.config = config.to_dict()
+    est.method = "extrapolated"
+    est.peak_bytes = extrapolate(e1.peak_bytes, e2.peak_bytes)
+    est.breakdown = {c: extrapolate(e1.breakdown[c], e2.breakdown[c]) for c in CATEGORIES}
+    est.flops = extrapolate(e1.flops, e2.flops)
+    for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes"):
+        if getattr(est, field) is not None:
+            setattr(est, field, extrapolate(getattr(e1, field), getattr(e2, field)))
+    est.notes.insert(0, f"{why}; measured real CPU steps at micro-batch {m1} and {m2} and extrapolated "
+                        f"linearly to {config.micro_batch}; data-dependent memory may differ on other data")
+    return est
+
+
+# ------------------------------------------------------------------------------------------- isolation
+
+def _run_isolated(fn: Callable[[], Estimate]) -> Estimate:
+    """Run `fn` in a forked child and return its result; a crash of the child becomes an EstimateError."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
+        try:
+            result = ("ok", fn())
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            try:
+                pickle.dumps(e)
+                result = ("error", e)
+            except Exception:
+                result = ("error", EstimateError(f"{type(e).__name__}: {e}"))
+        try:
+            with os.fdopen(write_fd, "wb") as f:
+                pickle.dump(result, f)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""
+        raise EstimateError(f"PyTorch crashed with {sig}{hint} while tracing the training step")
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise value
+    return value

@@ -1,0 +1,83 @@
+"""`summarize`: a Keras-like per-module table of one forward/backward on fake tensors: output shapes,
+own parameters, bytes saved for backward, FLOPs (forward + backward)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from memfit.config import Config
+from memfit.memory.fake import FlopCounterMode, new_fake_mode
+from memfit.memory.tracker import LiveBytes, ModuleScope
+from memfit.step import TrainStep
+from memfit.strategies import autocast_context
+from memfit.workload import Workload, tensors_of
+
+
+@dataclasses.dataclass
+class ModuleRow:
+    name: str
+    kind: str
+    depth: int
+    output_shape: str
+    parameters: int      # own parameters (not children's); a tied weight counts at its first owner
+    saved_bytes: int     # activations saved for backward while this module was innermost
+    flops: int           # forward + backward FLOPs, children included
+
+
+def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRow]:
+    config = config or Config()
+    with new_fake_mode():
+        step = TrainStep(workload, config, "cpu")
+        model = step.model
+        shapes: dict[str, str] = {}
+        names = {id(m): (n or type(m).__name__) for n, m in reversed(list(model.named_modules()))}
+        hooks = [m.register_forward_hook(lambda m, a, out: shapes.setdefault(names[id(m)], _shape(out)))
+                 for m in model.modules()]
+        tracker = LiveBytes("cpu")
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            saved.setdefault(st._cdata, st.nbytes())
+            return t
+
+        scope = ModuleScope(model, tracker)
+        flops = FlopCounterMode(display=False)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, tracker:
+                with autocast_context(config, step.device):
+                    loss = workload.loss(model, workload.batch(config.micro_batch))
+                loss.float().backward()
+        finally:
+            scope.remove()
+            tracker.close()
+            for h in hooks:
+                h.remove()
+    param_keys = {LiveBytes._key(p) for p in model.parameters()}
+    saved_by_module: dict[str, int] = {}
+    for key, nbytes in saved.items():
+        info = tracker.infos.get(key)
+        if info is not None and key not in param_keys:
+            saved_by_module[info.module] = saved_by_module.get(info.module, 0) + nbytes
+    flop_counts = {m: sum(c.values()) for m, c in flops.get_flop_counts().items()}
+    rows, seen = [], set()
+    for name, mod in model.named_modules():
+        label = name or type(mod).__name__
+        own = 0
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                own += p.numel()
+        rows.append(ModuleRow(label, type(mod).__name__, name.count(".") + (1 if name else 0),
+                              shapes.get(label, "-"), own, saved_by_module.get(label, 0),
+                              flop_counts.get(name or "Global", 0)))
+    return rows
+
+
+def _shape(out) -> str:
+    ts = tensors_of(out) if not isinstance(out, torch.Tensor) else [out]
+    if not ts:
+        return "-"
+    text = ", ".join("×".join(map(str, t.shape)) or "scalar" for t in ts[:3])
+    return text + (", …" if len(ts) > 3 else "")

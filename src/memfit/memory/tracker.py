@@ -1,0 +1,149 @@
+"""Count live tensor bytes on one device, op by op: the ground truth memfit estimates from.
+
+A `TorchDispatchMode` sees every tensor an aten op creates (below autograd, so the backward pass and the
+optimizer are seen too). Bytes are counted per storage, so views and in-place results cost nothing, and a
+storage is freed when its Python wrapper's finaliser runs (storages keep one wrapper for life). The same
+counter runs on fake tensors (the estimate) and on real ones (the fallback and the CPU virtual budget).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclasses.dataclass
+class StorageInfo:
+    nbytes: int
+    op: str
+    module: str
+    shape: tuple
+    dtype: str
+    phase: str
+    category: str | None = None  # forced label (inputs, host copies); otherwise decided after the step
+
+
+class LiveBytes(TorchDispatchMode):
+    """Records (key, +bytes) / (key, -bytes) events for storages on `device_type`.
+
+    budget: if set, an allocation that takes the live total past it raises torch.OutOfMemoryError —
+    the virtual device memory used to rehearse OOMs on a CPU.
+    """
+
+    def __init__(self, device_type: str = "cpu", budget: int | None = None):
+        super().__init__()
+        self.device_type = device_type
+        self.budget = budget
+        self.infos: dict[int, StorageInfo] = {}
+        self.live: dict[int, int] = {}
+        self.events: list[tuple[int, int]] = []
+        self.marks: list[tuple[int, str]] = []  # (event index, phase name)
+        self.current = 0
+        self.peak = 0
+        self.peak_index = -1  # events[:peak_index + 1] replayed gives the live set at the peak
+        self.module_stack: list[str] = []
+        self.exclude: set[int] = set()  # storages that live elsewhere (a host-side batch when tracing a GPU)
+        self.phase = "setup"
+        self._active = True
+
+    # -- what the step tells the tracker
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+        self.marks.append((len(self.events), phase))
+
+    def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: str | None = None) -> None:
+        for t in tensors:
+            self._add(t, op, category)
+
+    def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        for t in tensors:
+            info = self.infos.get(self._key(t))
+            if info is not None:
+                info.category = category
+
+    def close(self) -> None:
+        """Stop counting; finalisers of storages that die later are ignored."""
+        self._active = False
+
+    # -- bookkeeping
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def _add(self, t: torch.Tensor, op: str, category: str | None = None) -> None:
+        if t.device.type != self.device_type or t.is_sparse or t.is_nested:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live or key in self.exclude:
+            return
+        nbytes = st.nbytes()
+        if self.budget is not None and self.current + nbytes > self.budget:
+            raise torch.OutOfMemoryError(
+                f"memfit virtual budget: allocating {nbytes} bytes with {self.current} live "
+                f"exceeds {self.budget} bytes (op {op})"
+            )
+        module = self.module_stack[-1] if self.module_stack else ""
+        self.live[key] = nbytes
+        self.infos[key] = StorageInfo(nbytes, op, module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                      self.phase, category)
+        self.events.append((key, nbytes))
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak, self.peak_index = self.current, len(self.events) - 1
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        if not self._active or key not in self.live:
+            return
+        nbytes = self.live.pop(key)
+        self.events.append((key, -nbytes))
+        self.current -= nbytes
+
+    def live_at_peak(self) -> dict[int, int]:
+        live: dict[int, int] = {}
+        for key, delta in self.events[: self.peak_index + 1]:
+            if delta >= 0:
+                live[key] = delta
+            else:
+                live.pop(key, None)
+        return live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._active:
+            name = func.__name__ if hasattr(func, "__name__") else str(func)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._add(t, name)
+        return out
+
+
+class ModuleScope:
+    """Keeps `tracker.module_stack` equal to the stack of modules whose forward is running, so each
+    allocation is attributed to the innermost module (recomputation in backward included)."""
+
+    def __init__(self, model: torch.nn.Module, tracker: LiveBytes):
+        stack = tracker.module_stack
+
+        def enter(label):
+            def hook(module, args):
+                stack.append(label)
+            return hook
+
+        def leave(module, args, output):  # returns None: a forward hook's return value replaces the output
+            if stack:
+                stack.pop()
+
+        self.handles = []
+        for name, mod in model.named_modules():
+            self.handles.append(mod.register_forward_pre_hook(enter(name or type(mod).__name__)))
+            self.handles.append(mod.register_forward_hook(leave, always_call=True))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,1 @@
+"""What the user sees: rich tables for the terminal, plots, JSON."""

@@ -1,0 +1,100 @@
+"""Rich renderings of estimates and summaries. Pure functions of the data: no tracing happens here."""
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.units import fmt_bytes
+
+_CATEGORY_TITLES = {
+    "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
+    "inputs": "inputs", "activations": "activations saved for backward", "temporaries": "temporaries",
+}
+_METHODS = {
+    "fake": "traced on fake tensors",
+    "measured": "measured on a real CPU step (fake tensors could not follow the model)",
+    "extrapolated": "extrapolated from real CPU steps (fake tensors could not follow the model)",
+}
+
+
+def _config_line(cfg: dict) -> str:
+    parts = [f"micro-batch {cfg['micro_batch']}", cfg["precision"]]
+    if cfg.get("grad_accum", 1) > 1:
+        parts.append(f"accumulation {cfg['grad_accum']}")
+    if cfg.get("checkpoint", "none") != "none":
+        parts.append(f"checkpoint {cfg['checkpoint']}")
+    if cfg.get("offload_activations"):
+        parts.append("activation offload")
+    if cfg.get("offload_optimizer"):
+        parts.append("optimizer offload")
+    return " · ".join(parts)
+
+
+def estimate_view(est: Estimate) -> Group:
+    head = Text.assemble(
+        ("memfit estimate", "bold"), f"  {est.workload} · {_config_line(est.config)} · {est.device}\n",
+        ("peak ", "bold"), (fmt_bytes(est.peak_bytes), "bold cyan"),
+        f" of live tensors, reached in the {est.peak_phase} phase — {_METHODS[est.method]}",
+    )
+    cats = Table(title="at the peak", title_justify="left", show_edge=False)
+    cats.add_column("category")
+    cats.add_column("bytes", justify="right")
+    cats.add_column("share", justify="right")
+    for c in CATEGORIES:
+        n = est.breakdown[c]
+        cats.add_row(_CATEGORY_TITLES[c], fmt_bytes(n), f"{100 * n / max(est.peak_bytes, 1):.1f}%")
+    cats.add_row(Text("total", style="bold"), Text(fmt_bytes(est.peak_bytes), style="bold"), "100%")
+    parts = [head, cats]
+    if est.peak_allocated_bytes is not None:
+        dev = Table(title=f"on {est.device}", title_justify="left", show_edge=False)
+        dev.add_column("what")
+        dev.add_column("bytes", justify="right")
+        dev.add_row("max_memory_allocated (allocator rounding)", fmt_bytes(est.peak_allocated_bytes))
+        dev.add_row("max_memory_reserved (caching allocator)", fmt_bytes(est.peak_reserved_bytes))
+        dev.add_row("device use as nvidia-smi shows it", fmt_bytes(est.device_peak_bytes))
+        dev.add_row("device memory", fmt_bytes(est.device_total_bytes))
+        parts.append(dev)
+    if est.headroom_bytes is not None:
+        left = est.headroom_bytes
+        parts.append(Text(f"fits: {fmt_bytes(left)} of {est.device} memory left" if left >= 0 else
+                          f"does NOT fit: over {est.device}'s memory by {fmt_bytes(-left)}",
+                          style="green" if left >= 0 else "bold red"))
+    if est.modules:
+        mods = Table(title="activations + temporaries at the peak, by module", title_justify="left", show_edge=False)
+        mods.add_column("module")
+        mods.add_column("bytes", justify="right")
+        for name, n in est.modules[:8]:
+            mods.add_row(name, fmt_bytes(n))
+        parts.append(mods)
+    big = Table(title="largest tensors at the peak", title_justify="left", show_edge=False)
+    for col in ("bytes", "category", "shape", "dtype", "made by", "in module"):
+        big.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in est.top_tensors[:6]:
+        big.add_row(fmt_bytes(t["bytes"]), t["category"], "×".join(map(str, t["shape"])) or "scalar",
+                    t["dtype"], t["op"], t["module"] or "-")
+    parts.append(big)
+    for note in est.notes:
+        parts.append(Text(f"note: {note}", style="dim"))
+    return Group(*parts)
+
+
+def summary_view(title: str, rows) -> Table:
+    table = Table(title=f"memfit summary — {title}", title_justify="left")
+    for col in ("module", "type", "output shape", "params", "saved for backward", "FLOPs (fwd+bwd)"):
+        table.add_column(col, justify="left" if col in ("module", "type", "output shape") else "right")
+    for r in rows:
+        table.add_row("  " * r.depth + r.name, r.kind, r.output_shape, f"{r.parameters:,}",
+                      fmt_bytes(r.saved_bytes) if r.saved_bytes else "-", _fmt_flops(r.flops))
+    total_params = sum(r.parameters for r in rows)
+    table.caption = (f"{total_params:,} parameters · saved activations {fmt_bytes(sum(r.saved_bytes for r in rows))}"
+                     f" · {_fmt_flops(rows[0].flops if rows else 0)} per micro-batch")
+    return table
+
+
+def _fmt_flops(n: int) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}FLOP"
+    return f"{n} FLOP" if n else "-"

@@ -1,0 +1,77 @@
+"""One optimizer step over one global batch: the only place memfit's training math lives.
+
+The estimator traces exactly this code on fake tensors and the trainer runs it on real ones, so what is
+estimated is what runs. Read `TrainStep.__call__` top to bottom to follow a step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from memfit.config import Config
+from memfit.strategies import apply_model_strategies, autocast_context, cast_inputs, make_grad_scaler
+from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
+
+
+class TrainStep:
+    """Builds the model and optimizer for `config` on `device` and performs optimizer steps.
+
+    `on_phase` is told "forward", "backward" and "optimizer" as the step enters each (the tracer uses it);
+    `move` carries a micro-batch to the device (the tracer swaps it to model a host-to-GPU copy).
+    """
+
+    def __init__(self, workload: Workload, config: Config, device: torch.device | str = "cpu",
+                 on_phase: Callable[[str], None] | None = None, move: Callable[[Batch, torch.device], Batch] = move_batch):
+        self.workload, self.config, self.device = workload, config, torch.device(device)
+        with self.device:
+            model = workload.model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
+        self.model = apply_model_strategies(model, config, self.device)
+        self.optimizer = workload.optimizer(self.model.parameters())
+        self.scaler = make_grad_scaler(config, self.device)
+        self.on_phase = on_phase or (lambda phase: None)
+        self.move = move
+        self.tracing = False  # True under fake tensors: no data-dependent control flow (`.item()`)
+        self.skipped_steps = 0  # fp16 steps dropped because the gradients overflowed
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Zero grads -> forward/backward per micro-batch (loss weighted by its share of the global batch)
+        -> one optimizer step. Returns the global batch's mean loss (a detached tensor)."""
+        cfg, model, opt = self.config, self.model, self.optimizer
+        opt.zero_grad(set_to_none=True)
+        total = batch_size(batch)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in split_batch(batch, cfg.micro_batch):
+            micro = cast_inputs(self.move(micro, self.device), cfg)
+            weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
+            self.on_phase("forward")
+            with autocast_context(cfg, self.device):
+                loss = self.workload.loss(model, micro)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError("workload.loss(model, batch) must return a scalar tensor")
+            self.on_phase("backward")
+            scaled = loss.float() * weight
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach().float() * weight
+            del micro, loss, scaled
+        self.on_phase("optimizer")
+        self._optimizer_step()
+        return loss_sum
+
+    def _optimizer_step(self) -> None:
+        opt, scaler = self.optimizer, self.scaler
+        if scaler is None:
+            opt.step()
+        elif self.tracing:  # same memory as scaler.step, without the host sync that fake tensors cannot do
+            scaler.unscale_(opt)
+            opt.step()
+            scaler.update()
+        else:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            self.skipped_steps += scaler.get_scale() < before
+
+

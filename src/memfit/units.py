@@ -1,0 +1,38 @@
+"""Byte sizes as people write them ("24GiB", "80GB", 1234) and as memfit prints them."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,  # bare letters follow nvidia-smi / torch (binary)
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Return a size in bytes. Decimal (GB) and binary (GiB) units are kept distinct on purpose:
+    GPU vendors quote decimal GB for some cards and binary for others, and 7% matters here."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value!r}")
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"malformed size {value!r}: use bytes or a unit, e.g. 24GiB, 80GB, 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, three significant figures: what torch.cuda.memory_summary and nvidia-smi use."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

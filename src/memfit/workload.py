@@ -1,0 +1,118 @@
+"""The workload contract: how a user hands memfit a training job, and how memfit finds one by name."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+Batch = Any  # a tensor, or a tuple / list / dict of tensors (nested), samples along dim 0
+
+
+class WorkloadError(Exception):
+    """The user's workload could not be loaded or does not behave as the contract says."""
+
+
+@dataclasses.dataclass
+class Workload:
+    """One training job, as four factories. memfit calls them itself, on the (possibly fake) device it
+    chooses, so that the same description can be estimated, planned and run.
+
+    model      () -> nn.Module, built under the target device context.
+    batch      n -> a batch of n samples (tensor / tuple / list / dict of tensors, samples on dim 0).
+    loss       (model, batch) -> scalar loss, mean-reduced over the samples of the batch.
+    optimizer  params -> torch.optim.Optimizer.
+    """
+
+    model: Callable[[], torch.nn.Module]
+    batch: Callable[[int], Batch]
+    loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] = (
+        lambda params: torch.optim.AdamW(params, lr=1e-3)
+    )
+    name: str = "workload"
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def tensors_of(batch: Batch) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    map_tensors(batch, out.append)
+    return out
+
+
+def batch_size(batch: Batch) -> int:
+    sizes = {t.shape[0] for t in tensors_of(batch) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise WorkloadError(f"the batch's tensors must share one size along dim 0, found {sorted(sizes) or 'none'}")
+    return sizes.pop()
+
+
+def split_batch(batch: Batch, micro_batch: int) -> list[Batch]:
+    """Split along dim 0 into chunks of `micro_batch` samples (the last may be smaller)."""
+    n = batch_size(batch)
+    chunks = math.ceil(n / micro_batch)
+    return [map_tensors(batch, lambda t, i=i: t[i * micro_batch:(i + 1) * micro_batch] if t.dim() else t)
+            for i in range(chunks)]
+
+
+def move_batch(batch: Batch, device: torch.device | str) -> Batch:
+    device = torch.device(device)
+    non_blocking = device.type == "cuda"
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+def load_workload(spec: str | Workload, **options) -> Workload:
+    """Find a workload: a `Workload` as is, a built-in name (`gpt-7b`, `resnet`, `mlp`, `hf:<config>`),
+    or `path/to/job.py:function` (the function returns a `Workload`). `options` go to built-ins."""
+    if isinstance(spec, Workload):
+        return spec
+    from memfit.workloads import builtin  # the built-in zoo sits above this module
+
+    if not (":" in spec and spec.split(":", 1)[0].endswith(".py")) and not spec.endswith(".py"):
+        return builtin(spec, **options)
+    if options:
+        raise WorkloadError(f"options {sorted(options)} apply to built-in workloads only, not to {spec}")
+    path_s, _, fn_name = spec.partition(":")
+    fn_name = fn_name or "workload"
+    path = Path(path_s)
+    if not path.is_file():
+        raise WorkloadError(f"no such workload file: {path}")
+    module_name = f"memfit_user_{path.stem}"
+    spec_obj = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.modules[module_name] = module
+    try:
+        spec_obj.loader.exec_module(module)
+    except Exception as e:
+        raise WorkloadError(f"{path} raised while importing: {type(e).__name__}: {e}") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise WorkloadError(f"{path} has no function {fn_name!r}")
+    if not callable(fn):
+        raise WorkloadError(f"{path}:{fn_name} is not a function returning a memfit.Workload")
+    try:
+        wl = fn()
+    except Exception as e:
+        raise WorkloadError(f"{path}:{fn_name}() raised: {type(e).__name__}: {e}") from e
+    if not isinstance(wl, Workload):
+        raise WorkloadError(f"{path}:{fn_name}() returned {type(wl).__name__}, not a memfit.Workload")
+    if wl.name == "workload":
+        wl.name = f"{path.name}:{fn_name}"
+    return wl
