@@ -9,6 +9,7 @@ micro-batches are measured and extrapolated, and the estimate says so.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -21,7 +22,7 @@ import torch
 from memfit.config import Config
 from memfit.memory import allocator
 from memfit.memory.devices import Device, get_device
-from memfit.memory.fake import FakeTensor, FlopCounterMode, new_fake_mode
+from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
@@ -46,8 +47,9 @@ class Estimate:
     modules: list               # [(module, bytes)] activations + temporaries live at the peak, by creator
     top_tensors: list           # [dict] largest storages live at the peak
     timeline: dict              # {"index": [...], "phase": [...], category: [...]}: bytes by category over the step
-    flops: int                  # FLOPs of the step (FlopCounterMode), forward + backward (+ recompute)
-    module_flops: dict          # module -> FLOPs
+    flops: int                  # FLOPs of the step (FlopCounterMode's formulas): forward + backward + recompute
+    recompute_flops: int        # of which forward ops re-run in backward by activation checkpointing
+    module_flops: dict          # innermost module (or "(phase)") -> FLOPs
     parameters: int             # parameter count (tied weights once)
     notes: list                 # assumptions and fallbacks, in words
     device_total_bytes: int | None = None
@@ -79,9 +81,9 @@ def estimate(workload: Workload, config: Config | None = None, device: str | Dev
     run = _run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
         return run(lambda: _trace(workload, config, dev, fake=True))
-    except (WorkloadError, EstimateError):
+    except WorkloadError:
         raise
-    except Exception as fake_error:
+    except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = f"{type(fake_error).__name__}: {str(fake_error).splitlines()[0] if str(fake_error) else ''}"
     return run(lambda: _fallback(workload, config, dev, reason))
 
@@ -95,8 +97,9 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
     # and optimizers default to their foreach kernels on CUDA (one temporary per parameter at once).
     move = _copy_to_device if cuda_target else move_batch
     mode = new_fake_mode() if fake else None
-    with mode or _no_mode():
-        step = TrainStep(workload, config, "cpu", move=move)
+    with mode or contextlib.nullcontext():
+        with SameModeDeepcopy() if fake else contextlib.nullcontext():
+            step = TrainStep(workload, config, "cpu", move=move)
         step.tracing = fake
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
@@ -107,22 +110,21 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
         batch = workload.batch(config.global_batch)
         tracker = LiveBytes("cpu")
         if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
-            tracker.exclude.update(LiveBytes._key(t) for t in tensors_of(batch))
+            tracker.exclude.update(t.untyped_storage()._cdata for t in tensors_of(batch))
         else:
             tracker.track(tensors_of(batch), category="inputs")
         tracker.track(_preexisting(step, mode))
         saved: set[int] = set()
 
         def pack(t):
-            saved.add(LiveBytes._key(t)) if t.device.type == "cpu" else None
+            saved.add(tracker.uid(t))
             return t
 
         step.on_phase = tracker.mark
         step.move = lambda b, d: _tag(tracker, move(b, d))
         scope = ModuleScope(step.model, tracker)
-        flops = FlopCounterMode(display=False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
                 step(batch)
         finally:
             scope.remove()
@@ -131,19 +133,11 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
         model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
                        for c in ("parameters", "gradients", "optimizer_state")}
         n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
-    est = _summarise(workload, config, dev, tracker, labels, model_state, flops, n_params, notes)
+    est = _summarise(workload, config, dev, tracker, labels, model_state, n_params, notes)
     est.method = "fake" if fake else "measured"
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
     return est
-
-
-class _no_mode:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _copy_to_device(batch, device):
@@ -183,7 +177,9 @@ def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, s
 
     def put(tensors, category):
         for t in tensors:
-            labels.setdefault(LiveBytes._key(t), category)
+            uid = tracker.uid(t)
+            if uid is not None:
+                labels.setdefault(uid, category)
 
     for key, info in tracker.infos.items():
         if info.category:
@@ -199,7 +195,7 @@ def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, s
     return labels
 
 
-def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, flops, n_params, notes) -> Estimate:
+def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, n_params, notes) -> Estimate:
     live = tracker.live_at_peak()
     breakdown = dict.fromkeys(CATEGORIES, 0)
     by_module: dict[str, int] = {}
@@ -207,7 +203,7 @@ def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, f
         cat = labels[key]
         breakdown[cat] += nbytes
         if cat in ("activations", "temporaries"):
-            mod = tracker.infos[key].module or "(outside modules)"
+            mod = tracker.infos[key].module
             by_module[mod] = by_module.get(mod, 0) + nbytes
     top = sorted(live, key=live.get, reverse=True)[:12]
     top_tensors = [dict(bytes=live[k], category=labels[k], **{f: getattr(tracker.infos[k], f) for f in
@@ -219,12 +215,12 @@ def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, f
     for index, phase in tracker.marks:
         if index <= tracker.peak_index:
             peak_phase = phase
-    module_flops = {m: sum(c.values()) for m, c in flops.get_flop_counts().items()}
     return Estimate(
         workload=workload.name, config=config.to_dict(), device=dev.name, method="fake",
         peak_bytes=tracker.peak, breakdown=breakdown, model_state_bytes=model_state, peak_phase=peak_phase,
         modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:20], top_tensors=top_tensors,
-        timeline=_timeline(tracker, labels), flops=flops.get_total_flops(), module_flops=module_flops,
+        timeline=_timeline(tracker, labels), flops=sum(tracker.flops_by_module.values()),
+        recompute_flops=tracker.recompute_flops, module_flops=dict(tracker.flops_by_module),
         parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes,
     )
 
@@ -261,11 +257,13 @@ def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
 # ------------------------------------------------------------------------------------------- fallback
 
 def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Estimate:
-    """Fake tensors could not follow the step. Measure real CPU steps at small micro-batches and
-    extrapolate linearly in the micro-batch (activations scale with it; model state does not)."""
-    small = [m for m in (1, 2) if m <= config.micro_batch] if config.micro_batch > 2 else [config.micro_batch]
+    """Fake tensors could not follow the step. Measure real CPU steps: at the requested micro-batch when
+    it is small, else at a quarter and a half of it, extrapolated linearly (activations scale with the
+    micro-batch; model state does not)."""
+    m = config.micro_batch
+    small = [m] if m <= 8 else [m // 4, m // 2]
     try:
-        points = [_trace(workload, config.replace(micro_batch=m), dev, fake=False) for m in small]
+        points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
     except Exception as e:
         raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
     est = points[-1]
@@ -285,6 +283,7 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
     est.peak_bytes = extrapolate(e1.peak_bytes, e2.peak_bytes)
     est.breakdown = {c: extrapolate(e1.breakdown[c], e2.breakdown[c]) for c in CATEGORIES}
     est.flops = extrapolate(e1.flops, e2.flops)
+    est.recompute_flops = extrapolate(e1.recompute_flops, e2.recompute_flops)
     for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes"):
         if getattr(est, field) is not None:
             setattr(est, field, extrapolate(getattr(e1, field), getattr(e2, field)))
@@ -308,8 +307,8 @@ def _run_isolated(fn: Callable[[], Estimate]) -> Estimate:
             try:
                 pickle.dumps(e)
                 result = ("error", e)
-            except Exception:
-                result = ("error", EstimateError(f"{type(e).__name__}: {e}"))
+            except Exception:  # not picklable: keep its name and first line
+                result = ("error", EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         try:
             with os.fdopen(write_fd, "wb") as f:
                 pickle.dump(result, f)

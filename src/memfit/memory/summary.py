@@ -1,5 +1,5 @@
 """`summarize`: a Keras-like per-module table of one forward/backward on fake tensors: output shapes,
-own parameters, bytes saved for backward, FLOPs (forward + backward)."""
+own parameters, bytes saved for backward, forward FLOPs."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from memfit.config import Config
-from memfit.memory.fake import FlopCounterMode, new_fake_mode
+from memfit.memory.fake import SameModeDeepcopy, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.strategies import autocast_context
@@ -22,30 +22,34 @@ class ModuleRow:
     output_shape: str
     parameters: int      # own parameters (not children's); a tied weight counts at its first owner
     saved_bytes: int     # activations saved for backward while this module was innermost
-    flops: int           # forward + backward FLOPs, children included
+    flops: int           # forward FLOPs, children included (backward ops run outside any module)
 
 
 def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRow]:
     config = config or Config()
     with new_fake_mode():
-        step = TrainStep(workload, config, "cpu")
+        with SameModeDeepcopy():
+            step = TrainStep(workload, config, "cpu")
         model = step.model
         shapes: dict[str, str] = {}
         names = {id(m): (n or type(m).__name__) for n, m in reversed(list(model.named_modules()))}
-        hooks = [m.register_forward_hook(lambda m, a, out: shapes.setdefault(names[id(m)], _shape(out)))
-                 for m in model.modules()]
+
+        def record(module, args, output):  # returns None: a hook's return value would replace the output
+            shapes.setdefault(names[id(module)], _shape(output))
+
+        hooks = [m.register_forward_hook(record) for m in model.modules()]
         tracker = LiveBytes("cpu")
         saved: dict[int, int] = {}
 
         def pack(t):
-            st = t.untyped_storage()
-            saved.setdefault(st._cdata, st.nbytes())
+            uid = tracker.uid(t)
+            if uid is not None:
+                saved[uid] = tracker.infos[uid].nbytes
             return t
 
         scope = ModuleScope(model, tracker)
-        flops = FlopCounterMode(display=False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
                 with autocast_context(config, step.device):
                     loss = workload.loss(model, workload.batch(config.micro_batch))
                 loss.float().backward()
@@ -54,13 +58,20 @@ def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRo
             tracker.close()
             for h in hooks:
                 h.remove()
-    param_keys = {LiveBytes._key(p) for p in model.parameters()}
+    param_keys = {tracker.uid(p) for p in model.parameters()}
     saved_by_module: dict[str, int] = {}
     for key, nbytes in saved.items():
         info = tracker.infos.get(key)
         if info is not None and key not in param_keys:
             saved_by_module[info.module] = saved_by_module.get(info.module, 0) + nbytes
-    flop_counts = {m: sum(c.values()) for m, c in flops.get_flop_counts().items()}
+    flop_counts: dict[str, int] = {}  # children included: add each innermost count to all its ancestors
+    for module, n in tracker.flops_by_module.items():
+        if module.startswith("("):  # run outside any module: backward, optimizer
+            continue
+        parts = module.split(".")
+        for i in range(len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            flop_counts[prefix] = flop_counts.get(prefix, 0) + n
     rows, seen = [], set()
     for name, mod in model.named_modules():
         label = name or type(mod).__name__
@@ -71,7 +82,7 @@ def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRo
                 own += p.numel()
         rows.append(ModuleRow(label, type(mod).__name__, name.count(".") + (1 if name else 0),
                               shapes.get(label, "-"), own, saved_by_module.get(label, 0),
-                              flop_counts.get(name or "Global", 0)))
+                              flop_counts.get(name, 0)))
     return rows
 
 

@@ -15,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.memory.fake import op_flops
+
 
 @dataclasses.dataclass
 class StorageInfo:
@@ -28,7 +30,7 @@ class StorageInfo:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Records (key, +bytes) / (key, -bytes) events for storages on `device_type`.
+    """Records (id, +bytes) / (id, -bytes) events for storages on `device_type`.
 
     budget: if set, an allocation that takes the live total past it raises torch.OutOfMemoryError —
     the virtual device memory used to rehearse OOMs on a CPU.
@@ -46,8 +48,12 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.peak_index = -1  # events[:peak_index + 1] replayed gives the live set at the peak
         self.module_stack: list[str] = []
-        self.exclude: set[int] = set()  # storages that live elsewhere (a host-side batch when tracing a GPU)
+        self.exclude: set[int] = set()  # storage addresses that live elsewhere (a host-side batch, for a GPU)
+        self._uids: dict[int, int] = {}  # storage address -> id, live storages only
+        self._next_uid = 0
         self.phase = "setup"
+        self.flops_by_module: dict[str, int] = {}
+        self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
         self._active = True
 
     # -- what the step tells the tracker
@@ -61,25 +67,26 @@ class LiveBytes(TorchDispatchMode):
 
     def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         for t in tensors:
-            info = self.infos.get(self._key(t))
+            info = self.infos.get(self.uid(t))
             if info is not None:
                 info.category = category
+
+    def uid(self, t: torch.Tensor) -> int | None:
+        """The id of t's storage while it is live. Storage addresses are reused after a free, so events
+        and labels use ids that are never reused."""
+        return self._uids.get(t.untyped_storage()._cdata)
 
     def close(self) -> None:
         """Stop counting; finalisers of storages that die later are ignored."""
         self._active = False
 
     # -- bookkeeping
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
-
     def _add(self, t: torch.Tensor, op: str, category: str | None = None) -> None:
         if t.device.type != self.device_type or t.is_sparse or t.is_nested:
             return
         st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live or key in self.exclude:
+        address = st._cdata
+        if address in self._uids or address in self.exclude:
             return
         nbytes = st.nbytes()
         if self.budget is not None and self.current + nbytes > self.budget:
@@ -87,7 +94,10 @@ class LiveBytes(TorchDispatchMode):
                 f"memfit virtual budget: allocating {nbytes} bytes with {self.current} live "
                 f"exceeds {self.budget} bytes (op {op})"
             )
-        module = self.module_stack[-1] if self.module_stack else ""
+        module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
+        key = self._next_uid
+        self._next_uid += 1
+        self._uids[address] = key
         self.live[key] = nbytes
         self.infos[key] = StorageInfo(nbytes, op, module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
                                       self.phase, category)
@@ -95,11 +105,12 @@ class LiveBytes(TorchDispatchMode):
         self.current += nbytes
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events) - 1
-        weakref.finalize(st, self._free, key)
+        weakref.finalize(st, self._free, address, key)
 
-    def _free(self, key: int) -> None:
+    def _free(self, address: int, key: int) -> None:
         if not self._active or key not in self.live:
             return
+        del self._uids[address]
         nbytes = self.live.pop(key)
         self.events.append((key, -nbytes))
         self.current -= nbytes
@@ -114,8 +125,15 @@ class LiveBytes(TorchDispatchMode):
         return live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if self._active:
+            flops = op_flops(func, args, kwargs, out)
+            if flops:
+                module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
+                self.flops_by_module[module] = self.flops_by_module.get(module, 0) + flops
+                if self.phase == "backward" and self.module_stack:
+                    self.recompute_flops += flops
             name = func.__name__ if hasattr(func, "__name__") else str(func)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -82,14 +82,15 @@ def estimate_view(est: Estimate) -> Group:
 
 def summary_view(title: str, rows) -> Table:
     table = Table(title=f"memfit summary — {title}", title_justify="left")
-    for col in ("module", "type", "output shape", "params", "saved for backward", "FLOPs (fwd+bwd)"):
-        table.add_column(col, justify="left" if col in ("module", "type", "output shape") else "right")
+    table.add_column("module (type)", no_wrap=True)
+    for col in ("output shape", "params", "saved for backward", "forward FLOPs"):
+        table.add_column(col, justify="left" if col == "output shape" else "right", no_wrap=col != "output shape")
     for r in rows:
-        table.add_row("  " * r.depth + r.name, r.kind, r.output_shape, f"{r.parameters:,}",
+        table.add_row(f"{r.name} ({r.kind})" if r.name != r.kind else r.name, r.output_shape, f"{r.parameters:,}",
                       fmt_bytes(r.saved_bytes) if r.saved_bytes else "-", _fmt_flops(r.flops))
     total_params = sum(r.parameters for r in rows)
     table.caption = (f"{total_params:,} parameters · saved activations {fmt_bytes(sum(r.saved_bytes for r in rows))}"
-                     f" · {_fmt_flops(rows[0].flops if rows else 0)} per micro-batch")
+                     f" · {_fmt_flops(rows[0].flops if rows else 0)} forward per micro-batch")
     return table
 
 
