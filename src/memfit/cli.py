@@ -89,7 +89,9 @@ def cmd_summary(args) -> int:
         from rich.console import Console
 
         from memfit.report.tables import summary_view
-        Console().print(summary_view(workload.name, rows))
+        console = Console()
+        console.width = max(console.width, 120)  # a per-module table is wide; wrapping makes it unreadable
+        console.print(summary_view(workload.name, rows))
     return 0
 
 

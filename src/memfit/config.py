@@ -34,6 +34,8 @@ class Config:
             raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.offload_optimizer and self.precision == "fp16":
+            raise ValueError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
         ck = self.checkpoint
         if isinstance(ck, list):
             object.__setattr__(self, "checkpoint", tuple(ck))

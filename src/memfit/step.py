@@ -5,12 +5,14 @@ estimated is what runs. Read `TrainStep.__call__` top to bottom to follow a step
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
 from memfit.config import Config
-from memfit.strategies import apply_model_strategies, autocast_context, cast_inputs, make_grad_scaler
+from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
+                               cast_inputs, make_grad_scaler)
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
 
@@ -29,7 +31,13 @@ class TrainStep:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
         self.model = apply_model_strategies(model, config, self.device)
-        self.optimizer = workload.optimizer(self.model.parameters())
+        self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
+        self.optimizer_offload = None
+        if config.offload_optimizer:
+            self.optimizer_offload = OptimizerOffload(self.model, workload.optimizer, self.device)
+            self.optimizer = self.optimizer_offload.optimizer
+        else:
+            self.optimizer = workload.optimizer(self.model.parameters())
         self.scaler = make_grad_scaler(config, self.device)
         self.on_phase = on_phase or (lambda phase: None)
         self.move = move
@@ -40,6 +48,9 @@ class TrainStep:
         """Zero grads -> forward/backward per micro-batch (loss weighted by its share of the global batch)
         -> one optimizer step. Returns the global batch's mean loss (a detached tensor)."""
         cfg, model, opt = self.config, self.model, self.optimizer
+        for offload in (self.activation_offload, self.optimizer_offload):
+            if offload is not None:
+                offload.moved_bytes = 0
         opt.zero_grad(set_to_none=True)
         total = batch_size(batch)
         loss_sum = torch.zeros((), device=self.device)
@@ -47,7 +58,7 @@ class TrainStep:
             micro = cast_inputs(self.move(micro, self.device), cfg)
             weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
             self.on_phase("forward")
-            with autocast_context(cfg, self.device):
+            with autocast_context(cfg, self.device), self._offload_hooks():
                 loss = self.workload.loss(model, micro)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("workload.loss(model, batch) must return a scalar tensor")
@@ -60,9 +71,22 @@ class TrainStep:
         self._optimizer_step()
         return loss_sum
 
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes copied between host and device by offloading during the last step."""
+        return sum(o.moved_bytes for o in (self.activation_offload, self.optimizer_offload) if o is not None)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return self.optimizer_offload.host_tensors() if self.optimizer_offload else []
+
+    def _offload_hooks(self):
+        return self.activation_offload.hooks() if self.activation_offload else contextlib.nullcontext()
+
     def _optimizer_step(self) -> None:
         opt, scaler = self.optimizer, self.scaler
-        if scaler is None:
+        if self.optimizer_offload is not None:  # Config forbids fp16 here: no scaler to consult
+            self.optimizer_offload.step()
+        elif scaler is None:
             opt.step()
         elif self.tracing:  # same memory as scaler.step, without the host sync that fake tensors cannot do
             scaler.unscale_(opt)

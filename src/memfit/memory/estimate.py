@@ -56,6 +56,8 @@ class Estimate:
     peak_allocated_bytes: int | None = None   # CUDA: predicted torch.cuda.max_memory_allocated()
     peak_reserved_bytes: int | None = None    # CUDA: predicted torch.cuda.max_memory_reserved()
     device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
+    host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
+    moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -108,8 +110,9 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
                          "attention save (output + fp32 logsumexp)")
         step(workload.batch(config.global_batch))  # warm-up: optimizer state and scaler state now exist
         batch = workload.batch(config.global_batch)
-        tracker = LiveBytes("cpu")
-        if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
+        tracker = LiveBytes("cpu", host_apart=cuda_target)
+        if cuda_target:
+            tracker.track(step.host_tensors(), host=True)  # the global batch stays in host memory; only micro-batch copies reach the GPU
             tracker.exclude.update(t.untyped_storage()._cdata for t in tensors_of(batch))
         else:
             tracker.track(tensors_of(batch), category="inputs")
@@ -133,8 +136,13 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
         model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
                        for c in ("parameters", "gradients", "optimizer_state")}
         n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
+        moved = step.moved_bytes
+    if not cuda_target and (config.offload_activations or config.offload_optimizer):
+        notes.append("on a CPU device host and device memory are one: offloading only adds copies")
     est = _summarise(workload, config, dev, tracker, labels, model_state, n_params, notes)
     est.method = "fake" if fake else "measured"
+    est.moved_bytes = moved
+    est.host_peak_bytes = tracker.host_peak if cuda_target else None
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
     return est
@@ -164,7 +172,7 @@ def _preexisting(step: TrainStep, mode) -> list[torch.Tensor]:
     if mode is not None:
         return [o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode]
     owned = list(step.model.parameters()) + list(step.model.buffers())
-    owned += [p.grad for p in step.model.parameters() if p.grad is not None]
+    owned += [p.grad for p in step.model.parameters() if p.grad is not None] + step.host_tensors()
     owned += [t for s in step.optimizer.state.values() for t in tensors_of(dict(s))]
     if step.scaler is not None and step.scaler._scale is not None:
         owned += [step.scaler._scale, step.scaler._growth_tracker]
@@ -188,6 +196,9 @@ def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, s
     put(step.model.buffers(), "parameters")
     put([p.grad for p in step.model.parameters() if p.grad is not None], "gradients")
     put([t for s in step.optimizer.state.values() for t in tensors_of(dict(s))], "optimizer_state")
+    if step.optimizer_offload is not None:  # the fp32 master weights are optimizer state, as in ZeRO
+        put([m.grad for m in step.optimizer_offload.master if m.grad is not None], "gradients")
+        put(step.optimizer_offload.master, "optimizer_state")
     if step.scaler is not None and step.scaler._scale is not None:
         put([step.scaler._scale, step.scaler._growth_tracker], "optimizer_state")
     for key in tracker.infos:

@@ -16,6 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.memory.fake import op_flops
+from memfit.memory.kernels import fix_fake_outputs
+from memfit.strategies.offload import on_host_side
 
 
 @dataclasses.dataclass
@@ -34,12 +36,17 @@ class LiveBytes(TorchDispatchMode):
 
     budget: if set, an allocation that takes the live total past it raises torch.OutOfMemoryError —
     the virtual device memory used to rehearse OOMs on a CPU.
+    host_apart: allocations made under `host_side()` (offloading) are host memory, not device memory.
+    True when a GPU step is traced on the CPU; on a CPU device host and device memory are one.
     """
 
-    def __init__(self, device_type: str = "cpu", budget: int | None = None):
+    def __init__(self, device_type: str = "cpu", budget: int | None = None, host_apart: bool = False):
         super().__init__()
         self.device_type = device_type
         self.budget = budget
+        self.host_apart = host_apart
+        self.host_live: dict[int, int] = {}  # host-side storages when host_apart
+        self.host_current = self.host_peak = 0
         self.infos: dict[int, StorageInfo] = {}
         self.live: dict[int, int] = {}
         self.events: list[tuple[int, int]] = []
@@ -61,9 +68,10 @@ class LiveBytes(TorchDispatchMode):
         self.phase = phase
         self.marks.append((len(self.events), phase))
 
-    def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: str | None = None) -> None:
+    def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: str | None = None,
+              host: bool = False) -> None:
         for t in tensors:
-            self._add(t, op, category)
+            self._add(t, op, category, host)
 
     def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         for t in tensors:
@@ -81,7 +89,7 @@ class LiveBytes(TorchDispatchMode):
         self._active = False
 
     # -- bookkeeping
-    def _add(self, t: torch.Tensor, op: str, category: str | None = None) -> None:
+    def _add(self, t: torch.Tensor, op: str, category: str | None = None, host: bool = False) -> None:
         if t.device.type != self.device_type or t.is_sparse or t.is_nested:
             return
         st = t.untyped_storage()
@@ -89,6 +97,16 @@ class LiveBytes(TorchDispatchMode):
         if address in self._uids or address in self.exclude:
             return
         nbytes = st.nbytes()
+        if category is None and on_host_side():  # offloaded copies: activations out, gradients in
+            category = {"forward": "activations", "backward": "gradients"}.get(self.phase)
+        if self.host_apart and (host or on_host_side()):
+            self._uids[address] = key = self._next_uid
+            self._next_uid += 1
+            self.host_live[key] = nbytes
+            self.host_current += nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+            weakref.finalize(st, self._free, address, key)
+            return
         if self.budget is not None and self.current + nbytes > self.budget:
             raise torch.OutOfMemoryError(
                 f"memfit virtual budget: allocating {nbytes} bytes with {self.current} live "
@@ -108,7 +126,13 @@ class LiveBytes(TorchDispatchMode):
         weakref.finalize(st, self._free, address, key)
 
     def _free(self, address: int, key: int) -> None:
-        if not self._active or key not in self.live:
+        if not self._active:
+            return
+        if key in self.host_live:
+            del self._uids[address]
+            self.host_current -= self.host_live.pop(key)
+            return
+        if key not in self.live:
             return
         del self._uids[address]
         nbytes = self.live.pop(key)
@@ -126,7 +150,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
         if self._active:
             flops = op_flops(func, args, kwargs, out)
             if flops:

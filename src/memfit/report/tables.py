@@ -84,7 +84,7 @@ def summary_view(title: str, rows) -> Table:
     table = Table(title=f"memfit summary — {title}", title_justify="left")
     table.add_column("module (type)", no_wrap=True)
     for col in ("output shape", "params", "saved for backward", "forward FLOPs"):
-        table.add_column(col, justify="left" if col == "output shape" else "right", no_wrap=col != "output shape")
+        table.add_column(col, justify="left" if col == "output shape" else "right", no_wrap=True)
     for r in rows:
         table.add_row(f"{r.name} ({r.kind})" if r.name != r.kind else r.name, r.output_shape, f"{r.parameters:,}",
                       fmt_bytes(r.saved_bytes) if r.saved_bytes else "-", _fmt_flops(r.flops))

@@ -1,13 +1,20 @@
-"""Memory-saving strategies, each in its own module, applied in one fixed order (see apply_model_strategies)."""
+"""Memory-saving strategies, each in its own module.
+
+Order: precision casts the weights, then checkpointing wraps the repeated blocks (apply_model_strategies);
+TrainStep then puts optimizer offload around the optimizer and activation offload around each forward;
+accumulation and loss scaling are the step's own loop (memfit/step.py).
+"""
 from __future__ import annotations
 
 import torch
 
 from memfit.config import Config
 from memfit.strategies.checkpoint import apply_checkpointing
+from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.precision import autocast_context, cast_inputs, cast_model, make_grad_scaler
 
-__all__ = ["apply_model_strategies", "autocast_context", "cast_inputs", "make_grad_scaler"]
+__all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
+           "host_side", "make_grad_scaler", "on_host_side"]
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:

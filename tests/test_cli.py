@@ -1,0 +1,250 @@
+"""The `memfit` command: run in-process through `memfit.cli.main` (fast), and through the installed console
+script in a subprocess (proves the entry point works and that nothing leaks onto the real stderr fd).
+
+Contract checked here (see memfit/cli.py): success prints to stdout and returns 0; any bad input returns 2
+with exactly one line on stderr, "memfit: error: ...", and no traceback; --debug lets the exception out.
+Only tiny models are used, so the whole file stays well under a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import memfit
+from memfit.cli import main
+from memfit.units import fmt_bytes
+
+# ------------------------------------------------------------------------------------------ helpers
+
+NOT_A_WORKLOAD = """
+def workload():
+    return 42
+"""
+
+FACTORY_RAISES = """
+def workload():
+    raise RuntimeError("boom in the workload factory")
+"""
+
+# The model takes 8 features, the batch has 5: the loss raises on fake tensors, the estimate falls back to
+# a real CPU step, which raises too. The user must get one line, not two tracebacks.
+LOSS_RAISES = """
+import torch
+import torch.nn.functional as F
+import memfit
+
+def workload():
+    return memfit.Workload(
+        model=lambda: torch.nn.Linear(8, 4),
+        batch=lambda n: (torch.randn(n, 5), torch.randint(0, 4, (n,))),
+        loss=lambda model, b: F.cross_entropy(model(b[0]), b[1]),
+    )
+"""
+
+
+def _write(tmp_path: Path, name: str, source: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def _run(capfd, *argv: str) -> tuple[int, str, str]:
+    """main(argv) -> (exit code, stdout, stderr). capfd (not capsys) so that writes straight to the file
+    descriptors -- the forked tracing child, C++ warnings -- are seen as well."""
+    code = main(list(argv))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def _assert_one_line_error(code: int, out: str, err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, f"exit code {code}, stderr:\n{err}"
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert lines[0].startswith("memfit: error:"), lines[0]
+    assert out == "", f"nothing belongs on stdout after an error, got:\n{out}"
+    for fragment in fragments:
+        assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
+
+
+def _console_command() -> list[str]:
+    """The installed `memfit` script next to this interpreter, else `python -m memfit.cli`."""
+    script = Path(sys.executable).parent / "memfit"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    found = shutil.which("memfit")
+    return [found] if found else [sys.executable, "-m", "memfit.cli"]
+
+
+def _subprocess(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="120")
+    return subprocess.run([*_console_command(), *argv], capture_output=True, text=True, timeout=120,
+                          cwd=cwd, env=env)
+
+
+# ------------------------------------------------------------------------------------------ estimate
+
+
+def test_estimate_json_breakdown_sums_to_peak(capfd):
+    code, out, err = _run(capfd, "estimate", "mlp-tiny", "--micro-batch", "4", "--json")
+    assert code == 0, err
+    assert len(out.strip().splitlines()) == 1, "--json prints exactly one JSON object on one line"
+    d = json.loads(out)
+    assert isinstance(d, dict)
+    assert isinstance(d["peak_bytes"], int) and d["peak_bytes"] > 0
+    assert set(d["breakdown"]) == set(memfit.memory.estimate.CATEGORIES)
+    assert all(isinstance(v, int) and v >= 0 for v in d["breakdown"].values())
+    assert sum(d["breakdown"].values()) == d["peak_bytes"]
+    assert d["config"]["micro_batch"] == 4
+    assert d["workload"] == "mlp-tiny"
+    assert d["parameters"] > 0
+    # A CPU target has no allocator model.
+    assert d["peak_allocated_bytes"] is None and d["peak_reserved_bytes"] is None
+
+
+def test_estimate_json_for_a_catalogue_gpu(capfd):
+    code, out, err = _run(capfd, "estimate", "mlp-tiny", "--micro-batch", "4", "--device", "h100", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes",
+                "device_total_bytes"):
+        assert isinstance(d[key], int) and d[key] > 0, (key, d[key])
+    assert sum(d["breakdown"].values()) == d["peak_bytes"]
+    assert d["peak_allocated_bytes"] <= d["peak_reserved_bytes"] <= d["device_peak_bytes"]
+    assert d["device_peak_bytes"] < d["device_total_bytes"]
+    assert d["device_total_bytes"] == memfit.memory.devices.get_device("h100").memory_bytes
+    assert d["headroom_bytes"] == d["device_total_bytes"] - d["device_peak_bytes"]
+
+
+def test_estimate_rich_output_mentions_the_peak(capfd):
+    code, out, err = _run(capfd, "estimate", "mlp-tiny", "--micro-batch", "4", "--json")
+    assert code == 0, err
+    peak = json.loads(out)["peak_bytes"]
+    code, out, err = _run(capfd, "estimate", "mlp-tiny", "--micro-batch", "4")
+    assert code == 0, err
+    text = re.sub(r"\s+", " ", out)
+    assert "peak" in text.lower()
+    assert fmt_bytes(peak) in text, f"{fmt_bytes(peak)!r} not in:\n{out}"
+    assert "mlp-tiny" in text
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+
+def test_summary_prints_module_rows(capfd):
+    code, out, err = _run(capfd, "summary", "gpt-tiny")
+    assert code == 0, err
+    assert "Traceback" not in err
+    for row in ("layers.0", "layers.1", "head"):
+        assert row in out, f"{row!r} not in summary output:\n{out}"
+
+
+def test_summary_json_rows(capfd):
+    code, out, err = _run(capfd, "summary", "gpt-tiny", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    names = [r["name"] for r in rows]
+    assert "layers.0" in names and "layers.0.attn" in names
+    assert sum(r["parameters"] for r in rows) == sum(
+        p.numel() for p in memfit.load_workload("gpt-tiny").model().parameters())
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_missing_workload_file(capfd, tmp_path):
+    missing = str(tmp_path / "nope.py")
+    _assert_one_line_error(*_run(capfd, "estimate", f"{missing}:workload"), "no such workload file")
+    _assert_one_line_error(*_run(capfd, "estimate", "nope.py:workload"), "nope.py")
+
+
+def test_function_that_is_not_a_workload(capfd, tmp_path):
+    path = _write(tmp_path, "not_a_workload.py", NOT_A_WORKLOAD)
+    _assert_one_line_error(*_run(capfd, "estimate", f"{path}:workload"), "not a memfit.Workload")
+
+
+def test_file_without_the_function(capfd, tmp_path):
+    path = _write(tmp_path, "no_such_function.py", NOT_A_WORKLOAD)
+    _assert_one_line_error(*_run(capfd, "estimate", f"{path}:other"), "other")
+
+
+def test_workload_function_raises(capfd, tmp_path):
+    path = _write(tmp_path, "factory_raises.py", FACTORY_RAISES)
+    _assert_one_line_error(*_run(capfd, "estimate", f"{path}:workload"), "boom in the workload factory")
+
+
+def test_workload_loss_raises(capfd, tmp_path):
+    path = _write(tmp_path, "loss_raises.py", LOSS_RAISES)
+    _assert_one_line_error(*_run(capfd, "estimate", f"{path}:workload", "--micro-batch", "2"), "raised")
+
+
+def test_unknown_device(capfd):
+    _assert_one_line_error(*_run(capfd, "estimate", "mlp-tiny", "--device", "h1000"), "h1000", "h100")
+
+
+def test_unknown_builtin(capfd):
+    _assert_one_line_error(*_run(capfd, "estimate", "no-such-model"), "unknown workload")
+    _assert_one_line_error(*_run(capfd, "summary", "gpt-huge"), "unknown workload")
+
+
+def test_unknown_builtin_option(capfd):
+    _assert_one_line_error(*_run(capfd, "estimate", "gpt-tiny", "-o", "sqe=4"), "sqe")
+    _assert_one_line_error(*_run(capfd, "estimate", "gpt-tiny", "-o", "seq"), "key=value")
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ('{"micro_batch": 4', ""),                   # not JSON
+    ('{"micro_batch": 0}', "micro_batch"),        # a size out of range
+    ('{"micro_batch": "four"}', "micro_batch"),   # a size of the wrong type
+    ('{"micro_batchez": 4}', "micro_batchez"),    # an unknown field
+    ('{"precision": "fp8"}', "precision"),
+])
+def test_bad_config(capfd, config, fragment):
+    _assert_one_line_error(*_run(capfd, "estimate", "mlp-tiny", "--config", config), fragment)
+
+
+def test_config_file_missing(capfd, tmp_path):
+    _assert_one_line_error(*_run(capfd, "estimate", "mlp-tiny", "--config", str(tmp_path / "none.json")),
+                           "none.json")
+
+
+def test_config_from_file(capfd, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"micro_batch": 3}))
+    code, out, err = _run(capfd, "estimate", "mlp-tiny", "--config", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["micro_batch"] == 3
+
+
+def test_debug_shows_the_traceback(capfd, tmp_path):
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(memfit.WorkloadError, match="no such workload file"):
+        main(["--debug", "estimate", f"{missing}:workload"])
+    with pytest.raises(ValueError, match="unknown device"):
+        main(["--debug", "estimate", "mlp-tiny", "--device", "h1000"])
+
+
+# ------------------------------------------------------------------------------------------ console script
+
+
+def test_console_script_estimate_json(tmp_path):
+    r = _subprocess("estimate", "mlp-tiny", "--micro-batch", "4", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["peak_bytes"] > 0 and sum(d["breakdown"].values()) == d["peak_bytes"]
+
+
+def test_console_script_error_is_one_line_on_the_real_stderr(tmp_path):
+    """In a fresh process, so that anything PyTorch logs straight to fd 2 (e.g. fake-tensor kernel
+    failures, logged with their traceback before they are raised) is caught too."""
+    path = _write(tmp_path, "loss_raises.py", LOSS_RAISES)
+    r = _subprocess("estimate", f"{path}:workload", "--micro-batch", "2", cwd=tmp_path)
+    _assert_one_line_error(r.returncode, r.stdout, r.stderr, "raised")
