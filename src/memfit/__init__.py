@@ -2,11 +2,11 @@
 
 Public API: Workload, Config, estimate, TrainStep (and the `memfit` command).
 """
-from memfit.config import Config
+from memfit.config import Config, ConfigError
 from memfit.memory.estimate import Estimate, EstimateError, estimate
 from memfit.step import TrainStep
 from memfit.workload import Workload, WorkloadError, load_workload
 
-__all__ = ["Config", "Estimate", "EstimateError", "TrainStep", "Workload", "WorkloadError", "estimate",
+__all__ = ["Config", "ConfigError", "Estimate", "EstimateError", "TrainStep", "Workload", "WorkloadError", "estimate",
            "load_workload"]
 __version__ = "0.1.0"

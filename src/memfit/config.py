@@ -7,6 +7,10 @@ import json
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be applied to this model or device; raised before anything changes."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """How one optimizer step is executed.

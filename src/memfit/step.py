@@ -12,7 +12,7 @@ import torch
 
 from memfit.config import Config
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
-                               cast_inputs, make_grad_scaler)
+                               cast_inputs, check_precision, make_grad_scaler)
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
 
@@ -26,6 +26,8 @@ class TrainStep:
     def __init__(self, workload: Workload, config: Config, device: torch.device | str = "cpu",
                  on_phase: Callable[[str], None] | None = None, move: Callable[[Batch, torch.device], Batch] = move_batch):
         self.workload, self.config, self.device = workload, config, torch.device(device)
+        if self.device.type == "cuda":
+            check_precision(config, torch.cuda.get_device_name(self.device), torch.cuda.is_bf16_supported())
         with self.device:
             model = workload.model()
         if not isinstance(model, torch.nn.Module):

@@ -19,12 +19,13 @@ from typing import Callable
 
 import torch
 
-from memfit.config import Config
+from memfit.config import Config, ConfigError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, get_device
 from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
+from memfit.strategies import check_precision
 from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
@@ -80,10 +81,11 @@ def estimate(workload: Workload, config: Config | None = None, device: str | Dev
     if config_fields:
         config = config.replace(**config_fields)
     dev = device if isinstance(device, Device) else get_device(device)
+    check_precision(config, dev.name, dev.bf16)
     run = _run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
         return run(lambda: _trace(workload, config, dev, fake=True))
-    except WorkloadError:
+    except (WorkloadError, ConfigError):
         raise
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = f"{type(fake_error).__name__}: {str(fake_error).splitlines()[0] if str(fake_error) else ''}"
@@ -275,6 +277,8 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
     small = [m] if m <= 8 else [m // 4, m // 2]
     try:
         points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
+    except ConfigError:
+        raise
     except Exception as e:
         raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
     est = points[-1]

@@ -11,10 +11,10 @@ import torch
 from memfit.config import Config
 from memfit.strategies.checkpoint import apply_checkpointing
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
-from memfit.strategies.precision import autocast_context, cast_inputs, cast_model, make_grad_scaler
+from memfit.strategies.precision import autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler
 
 __all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
-           "host_side", "make_grad_scaler", "on_host_side"]
+           "check_precision", "host_side", "make_grad_scaler", "on_host_side"]
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.config import Config
+from memfit.config import Config, ConfigError
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -34,7 +34,7 @@ def find_blocks(model: torch.nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
             for child_name, child in mod.named_children():
-                if not isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+                if not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):  # a Sequential can be a block
                     by_class[type(child)].append(f"{name}.{child_name}" if name else child_name)
     modules = dict(model.named_modules())
 
@@ -51,7 +51,7 @@ def find_blocks(model: torch.nn.Module) -> list[str]:
 
 
 def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
-    """Resolve Config.checkpoint to module names, or raise ValueError naming what is wrong."""
+    """Resolve Config.checkpoint to module names, or raise ConfigError naming what is wrong."""
     if spec == "none":
         return []
     if isinstance(spec, tuple):
@@ -59,11 +59,11 @@ def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
         missing = [n for n in spec if n not in modules or n == ""]
         if missing:
             hint = ", ".join(find_blocks(model)[:6]) or "none found"
-            raise ValueError(f"checkpoint: no module named {', '.join(map(repr, missing))} (repeated blocks: {hint})")
+            raise ConfigError(f"checkpoint: no module named {', '.join(map(repr, missing))} (repeated blocks: {hint})")
         return list(spec)
     blocks = find_blocks(model)
     if not blocks:
-        raise ValueError("checkpoint: found no repeated blocks in this model; name modules explicitly")
+        raise ConfigError("checkpoint: found no repeated blocks in this model; name modules explicitly")
     if spec in ("all", "selective"):
         return blocks
     return blocks[::spec]  # every k-th block, starting with the first

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from memfit.config import Config
+from memfit.config import Config, ConfigError
 from memfit.workload import map_tensors
 
 
@@ -49,3 +49,8 @@ def make_grad_scaler(config: Config, device: torch.device):
     if config.precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type)
+
+
+def check_precision(config: Config, device_name: str, has_bf16: bool) -> None:
+    if config.precision in ("bf16", "bf16-pure") and not has_bf16:
+        raise ConfigError(f"{device_name} has no native bf16 support: use fp16 or fp32")
