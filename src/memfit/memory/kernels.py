@@ -26,6 +26,25 @@ aten.mkldnn_rnn_layer (nn.LSTM on CPU: PyTorch runs one oneDNN LSTM primitive pe
     all exact (tests/test_kernels.py checks a few of them and two whole LSTM training steps against the
     profiler). LSTM is the only RNN PyTorch sends to oneDNN; GRU/RNN run native kernels that fake tensors
     follow exactly.
+
+Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
+real-mode trace miss them; the profiler sees them). Measured with torch 2.13 / oneDNN 3.12 on an AVX-512
+CPU, micro_batch 4, 2 threads; sizes depend on oneDNN's implementation choice, the ISA and the thread count,
+so no formula from op arguments alone reproduces them:
+    aten.mkldnn_convolution / convolution_backward (fp32 and bf16, NCHW): oneDNN reorders plain activations
+        into channel-blocked copies (nChw16c: channels padded up to 16, so a 4-channel tensor costs 4x),
+        weights into blocked copies, computes into a blocked result, reorders it into the plain output,
+        and uses a thread-dependent scratchpad. The backward does this twice (data, then weights).
+        unet: +481536 B at the peak (final 1x1 conv, 4 output channels) with 2 threads, +142592 B with 1.
+    aten.mm / addmm in bf16 (autocast or bf16 weights): oneDNN matmul scratchpad (fp32 accumulator plus
+        per-thread packing buffers): vit bf16 +128768 B (weight-grad mm 64x260 @ 260x256), custom_function
+        +22272 B with 2 threads (17536 B with 1), 2-layer MLP in bf16-pure +91904 B.
+    CPU TensorIterator ops with inputs of mixed dtype (bf16 * fp32): a promoted copy of the narrower input
+        (numel x 4 bytes), freed when the op returns.
+    aten.mkldnn_rnn_layer_backward: a contiguous copy of a non-contiguous grad_output (T*mb*H*elem), zeros for
+        an undefined grad_hy / grad_cy, the summed bias, the diff weights in oneDNN's layout (4H*in and 4H*H
+        elements, fp32) and oneDNN's scratchpad (scratch gates T*mb*ld(4H)*4 plus ~7-8 KB not derived):
+        about +436 KB at the peak for lstm_lm(dim=96, vocab=800, seq=16).
 """
 from __future__ import annotations
 

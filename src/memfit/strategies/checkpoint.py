@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.config import Config, ConfigError
+from memfit.config import ConfigError
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -80,11 +80,9 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_checkpointing(model: torch.nn.Module, config: Config) -> torch.nn.Module:
-    names = chosen_blocks(model, config.checkpoint)
+def apply_checkpointing(model: torch.nn.Module, names: list[str], selective: bool) -> torch.nn.Module:
     modules = dict(model.named_modules())
     for name in names:
         mod = modules[name]
-        mod.forward = functools.partial(_checkpointed, mod.forward, config.checkpoint == "selective")
-    model.memfit_checkpointed = names
+        mod.forward = functools.partial(_checkpointed, mod.forward, selective)
     return model

@@ -1,0 +1,1 @@
+"""Running training: the trainer, OOM recovery, checkpoints."""
