@@ -24,6 +24,9 @@ import sys
 import time
 
 EXPECTED_BYTES_PER_PARAM = 16
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+if os.path.isdir(os.path.join(SRC, "memfit")) and SRC not in sys.path:
+    sys.path.insert(0, SRC)  # the checkout's memfit, installed or not
 
 
 def _maxrss_bytes(who: int) -> int:

@@ -40,6 +40,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"  # the checkout's memfit, installed or not
+if (SRC / "memfit").is_dir() and str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))
 DEFAULT_OUT = HERE / "results" / "gpu_check.json"
 RESULT_MARK = "GPU_CHECK_RESULT "
 MiB = 1 << 20
@@ -139,6 +142,12 @@ def _pick_gpu(gpus: list[dict] | None, uuid: str | None) -> dict | None:
     return gpus[0] if len(gpus) == 1 else None
 
 
+def _emit(rec: dict) -> None:
+    """One result line on stdout; the parent keeps the last one (so a timed-out case keeps its estimate)."""
+    sys.stdout.flush()
+    print(RESULT_MARK + json.dumps(rec, default=str), flush=True)
+
+
 def run_case(case: dict) -> dict:
     """In a fresh process: estimate, then measure. Never raises; everything goes into the record."""
     rec: dict = {"name": case["name"], "case": case, "status": "error"}
@@ -168,6 +177,7 @@ def run_case(case: dict) -> dict:
             rec["estimate_error"] = f"{type(e).__name__}: {e}"
             rec["estimate_traceback"] = traceback.format_exc()[-3000:]
         rec["estimate_s"] = round(time.perf_counter() - t0, 2)
+        _emit(dict(rec, status="measuring"))
 
         # 2. the real step
         oom_error = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -248,20 +258,38 @@ print(json.dumps(out))
 """
 
 
+def _child_env() -> dict:
+    env = dict(os.environ)
+    if (SRC / "memfit").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def probe() -> dict:
     """Ask a throw-away process what is there, so this one never touches CUDA."""
     try:
-        r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                           env=_child_env())
         return json.loads(r.stdout.strip().splitlines()[-1])
     except Exception as e:  # noqa: BLE001
         return {"cuda": False, "error": f"probe failed: {type(e).__name__}: {e}"}
+
+
+def _last_result(out: str) -> dict | None:
+    for line in reversed((out or "").splitlines()):
+        if line.startswith(RESULT_MARK):
+            try:
+                return json.loads(line[len(RESULT_MARK):])
+            except ValueError:
+                continue
+    return None
 
 
 def _run_subprocess(case: dict, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # own process group: a timeout kills the forked tracer too
+                            start_new_session=True, env=_child_env())  # own process group: a timeout kills the forked tracer too
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -270,14 +298,14 @@ def _run_subprocess(case: dict, timeout: float) -> dict:
         except ProcessLookupError:
             pass
         out, err = proc.communicate()
-        return {"name": case["name"], "case": case, "status": "timeout",
-                "error": f"no result within {timeout:.0f} s", "stderr_tail": (err or "")[-2000:],
-                "wall_s": round(time.perf_counter() - t0, 1)}
-    rec = None
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_MARK):
-            rec = json.loads(line[len(RESULT_MARK):])
-            break
+        rec = _last_result(out) or {"name": case["name"], "case": case}
+        rec.update(status="timeout", error=f"no result within {timeout:.0f} s", stderr_tail=(err or "")[-2000:],
+                   wall_s=round(time.perf_counter() - t0, 1))
+        return rec
+    rec = _last_result(out)
+    if rec is not None and rec.get("status") == "measuring":  # died during the real step
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"status {proc.returncode}"
+        rec.update(status="crash", error=f"worker exited with {how} during the real step")
     if rec is None:
         how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"status {proc.returncode}"
         rec = {"name": case["name"], "case": case, "status": "crash", "error": f"worker exited with {how}"}
@@ -350,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.worker:  # inside a case process
-        rec = run_case(json.loads(args.worker))
-        sys.stdout.flush()
-        print(RESULT_MARK + json.dumps(rec, default=str), flush=True)
+        _emit(run_case(json.loads(args.worker)))
         return 0
 
     cases = [c for c in all_cases() if c["quick"]] if args.quick else all_cases()

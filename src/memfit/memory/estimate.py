@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import os
 import pickle
@@ -22,7 +23,7 @@ import torch
 from memfit.config import Config, ConfigError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, get_device
-from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode
+from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quiet_fake_errors
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
@@ -101,7 +102,7 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estim
     # and optimizers default to their foreach kernels on CUDA (one temporary per parameter at once).
     move = _copy_to_device if cuda_target else move_batch
     mode = new_fake_mode() if fake else None
-    with mode or contextlib.nullcontext():
+    with mode or contextlib.nullcontext(), quiet_fake_errors():
         with SameModeDeepcopy() if fake else contextlib.nullcontext():
             step = TrainStep(workload, config, "cpu", move=move)
         step.tracing = fake
@@ -316,6 +317,7 @@ def _run_isolated(fn: Callable[[], Estimate]) -> Estimate:
     if pid == 0:  # child
         os.close(read_fd)
         torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
+        faulthandler.disable()  # a crash is reported by the parent, in one line
         try:
             result = ("ok", fn())
         except BaseException as e:  # noqa: BLE001 - everything goes back to the parent

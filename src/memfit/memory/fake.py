@@ -4,13 +4,29 @@ tests/test_torch_pins.py pins every name used here, so a torch upgrade that move
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private: pinned in tests
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
-__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "SameModeDeepcopy", "new_fake_mode", "is_fake",
+__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "SameModeDeepcopy", "new_fake_mode", "is_fake", "quiet_fake_errors",
            "op_flops"]
+
+
+@contextlib.contextmanager
+def quiet_fake_errors():
+    """FakeTensorMode logs every failing meta kernel with a full traceback before raising; memfit reports
+    the error itself (and falls back), so keep torch's copy off the user's terminal."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def new_fake_mode() -> FakeTensorMode:

@@ -1,0 +1,167 @@
+"""The estimator against numbers computed by hand and against the PyTorch profiler (an independent
+measurement of the same real CPU step, benchmarks/truth.py)."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit import Config
+from memfit.workloads import builtin
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import models  # noqa: E402
+from truth import real_step_peak  # noqa: E402
+
+
+def mlp_workload(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)):
+    return memfit.Workload(
+        model=lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
+        batch=lambda n: {"x": torch.randn(n, 64), "y": torch.randint(0, 10, (n,))},
+        loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]),
+        optimizer=optimizer, name="mlp")
+
+
+def test_model_state_bytes_by_hand():
+    est = memfit.estimate(mlp_workload(), Config(micro_batch=32))
+    params = (64 * 256 + 256 + 256 * 10 + 10) * 4  # 76,840 bytes of fp32 weights and biases
+    assert est.parameters == 19_210
+    assert est.model_state_bytes == {"parameters": params, "gradients": params,
+                                     # AdamW: exp_avg + exp_avg_sq, plus a 4-byte fp32 `step` per parameter on CPU
+                                     "optimizer_state": 2 * params + 4 * 4}
+    assert est.breakdown["inputs"] == 32 * 64 * 4 + 32 * 8  # x fp32 + y int64
+    assert sum(est.breakdown.values()) == est.peak_bytes
+
+
+def test_sgd_without_momentum_keeps_no_state_and_bf16_pure_halves_everything():
+    sgd = memfit.estimate(mlp_workload(lambda p: torch.optim.SGD(p, lr=0.1)), Config(micro_batch=8))
+    assert sgd.model_state_bytes["optimizer_state"] == 0
+    pure = memfit.estimate(mlp_workload(), Config(micro_batch=8, precision="bf16-pure"))
+    assert pure.model_state_bytes["parameters"] == 19_210 * 2
+    assert pure.model_state_bytes["gradients"] == 19_210 * 2
+
+
+def test_mixed_precision_adam_costs_16_bytes_per_parameter_as_in_zero():
+    """ZeRO's accounting: 2 (fp16 weights) + 2 (grads) + 12 (fp32 master, m, v). memfit's bf16 mode keeps fp32
+    weights and grads instead (4 + 4 + 8): the same 16 bytes, as the 7B benchmark shows at full size."""
+    wl = builtin("gpt-7b", layers=1, seq=64)
+    est = memfit.estimate(wl, Config(micro_batch=1, precision="bf16"), device="a100-80gb")
+    states = sum(est.model_state_bytes.values())
+    assert est.parameters == 4096 * 32000 * 2 + 4096 * 4096 * 4 + 3 * 4096 * 11008 + 2 * 4096 + 4096
+    assert states / est.parameters == pytest.approx(16, abs=1e-3)
+
+
+FAKE_MODELS = ["gpt_sdpa", "vit", "embedding_bag", "inplace_tied", "rnn_gru", "custom_function"]
+
+
+@pytest.mark.parametrize("name", FAKE_MODELS)
+def test_peak_matches_the_profiler_on_models_not_written_for_memfit(name):
+    wl = models.ALL[name]()
+    cfg = Config(micro_batch=4)
+    est = memfit.estimate(wl, cfg)
+    assert est.method == "fake"
+    assert est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "hf:gpt2", "hf:bert", "hf:t5"])
+def test_peak_matches_the_profiler_on_transformers_models(name):
+    pytest.importorskip("transformers")
+    wl = builtin(name, seq=64)
+    for precision in ("fp32", "bf16"):
+        cfg = Config(micro_batch=2, precision=precision)
+        assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
+
+
+@pytest.mark.parametrize("changes", [dict(precision="bf16"), dict(grad_accum=3), dict(checkpoint="all"),
+                                     dict(checkpoint=2, offload_activations=True), dict(offload_optimizer=True),
+                                     dict(precision="bf16-pure")])
+def test_strategies_match_the_profiler(changes):
+    wl = builtin("gpt-tiny")
+    cfg = Config(micro_batch=4, **changes)
+    assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
+
+
+def test_optimizers_match_the_profiler():
+    for opt in ("sgd", "adam", "adagrad"):
+        wl = models.gpt_sdpa(optimizer=opt)
+        cfg = Config(micro_batch=2)
+        assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01), opt
+
+
+def test_data_dependent_routing_falls_back_to_a_labelled_real_measurement():
+    wl = models.moe()
+    est = memfit.estimate(wl, Config(micro_batch=4))
+    assert est.method == "measured"
+    assert "fake tensors could not follow" in est.notes[0] and "nonzero" in est.notes[0]
+    assert est.peak_bytes == pytest.approx(real_step_peak(wl, Config(micro_batch=4)), rel=0.05)
+    big = memfit.estimate(wl, Config(micro_batch=16))
+    assert big.method == "extrapolated" and "extrapolated linearly" in big.notes[0]
+
+
+def test_a_crash_inside_the_step_becomes_a_clear_error():
+    def loss(model, batch):
+        if not isinstance(batch, torch.Tensor) or type(batch).__name__ != "FakeTensor":
+            os.abort()  # what a C++ assertion inside PyTorch does to the process
+        os.abort()
+
+    wl = memfit.Workload(model=lambda: nn.Linear(4, 4), batch=lambda n: torch.randn(n, 4), loss=loss)
+    with pytest.raises(memfit.EstimateError, match="SIGABRT"):
+        memfit.estimate(wl, Config(micro_batch=2))
+
+
+def test_a_loss_that_raises_is_reported_as_the_workloads_error():
+    wl = memfit.Workload(model=lambda: nn.Linear(4, 4), batch=lambda n: torch.randn(n, 5),
+                         loss=lambda m, b: m(b).sum())
+    with pytest.raises(memfit.WorkloadError, match="training step raised"):
+        memfit.estimate(wl, Config(micro_batch=2))
+
+
+def test_gpu_target_models_the_allocator_the_copy_to_device_and_foreach():
+    from memfit.memory.devices import get_device
+
+    wl = builtin("gpt-tiny")
+    cpu = memfit.estimate(wl, Config(micro_batch=4))
+    gpu = memfit.estimate(wl, Config(micro_batch=4), device="h100")
+    dev = get_device("h100")
+    assert gpu.peak_allocated_bytes >= gpu.peak_bytes
+    assert gpu.peak_reserved_bytes >= gpu.peak_allocated_bytes
+    assert gpu.device_peak_bytes == gpu.peak_reserved_bytes + dev.context_bytes
+    assert gpu.headroom_bytes == dev.memory_bytes - gpu.device_peak_bytes
+    assert any("foreach" in n for n in gpu.notes)
+    # only the micro-batch is on the GPU; on the CPU the whole global batch is device memory
+    cfg = Config(micro_batch=2, grad_accum=4)
+    assert memfit.estimate(wl, cfg, device="h100").breakdown["inputs"] == 2 * 65 * 8
+    assert memfit.estimate(wl, cfg).breakdown["inputs"] == 8 * 65 * 8
+    assert cpu.peak_allocated_bytes is None
+
+
+def test_offload_books_host_memory_apart_on_a_gpu_target():
+    wl = builtin("gpt-tiny")
+    plain = memfit.estimate(wl, Config(micro_batch=4), device="h100")
+    off = memfit.estimate(wl, Config(micro_batch=4, offload_optimizer=True, offload_activations=True), device="h100")
+    assert off.model_state_bytes["optimizer_state"] == 0  # the state lives on the host
+    assert off.host_peak_bytes > 0 and off.moved_bytes > 0
+    assert off.peak_bytes < plain.peak_bytes
+
+
+def test_largest_tensors_and_modules_at_the_peak():
+    est = memfit.estimate(builtin("gpt-tiny"), Config(micro_batch=4))
+    sizes = [t["bytes"] for t in est.top_tensors]
+    assert sizes == sorted(sizes, reverse=True)
+    assert est.top_tensors[0]["bytes"] == 4 * 64 * 256 * 4  # the fp32 logits (batch 4, seq 64, vocab 256)
+    assert est.peak_phase in ("forward", "backward", "optimizer")
+    assert est.timeline["index"][-1] >= est.timeline["index"][0]
+    assert max(sum(est.timeline[c][i] for c in memfit.memory.estimate.CATEGORIES)
+               for i in range(len(est.timeline["index"]))) == est.peak_bytes
+
+
+def test_tied_weights_count_once():
+    est = memfit.estimate(models.lstm_lm(), Config(micro_batch=2))
+    model = models.lstm_lm().model()
+    assert est.parameters == sum(p.numel() for p in model.parameters())  # parameters() already dedupes
+    assert est.model_state_bytes["parameters"] == est.parameters * 4
