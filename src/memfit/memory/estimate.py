@@ -60,6 +60,7 @@ class Estimate:
     device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
     host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
+    ops: dict = dataclasses.field(default_factory=dict)  # per-op "flops", "bytes", "kind": the step-time model's input
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -67,7 +68,8 @@ class Estimate:
         return None if self.device_total_bytes is None else self.device_total_bytes - used
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        """Plain data for JSON, without the per-op records (tens of thousands of numbers at 7B)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ops"}
         d["headroom_bytes"] = self.headroom_bytes
         return d
 
@@ -96,56 +98,76 @@ def estimate(workload: Workload, config: Config | None = None, device: str | Dev
 # ------------------------------------------------------------------------------------------- the trace
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estimate:
+    return _traces(workload, config, dev, fake, [config.global_batch])[0]
+
+
+def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int]) -> list[Estimate]:
+    """Build once, prime the optimizer state, then measure one step per global batch size in `sizes`
+    (a size other than config.global_batch runs as one micro-batch of that size: the planner's probes)."""
     cuda_target = dev.kind == "cuda"
     notes: list[str] = []
     # A GPU target is traced on (fake) CPU; model what differs: the micro-batch is copied host -> device,
     # and optimizers default to their foreach kernels on CUDA (one temporary per parameter at once).
     move = _copy_to_device if cuda_target else move_batch
     mode = new_fake_mode() if fake else None
+    results = []
     with mode or contextlib.nullcontext(), quiet_fake_errors():
         with SameModeDeepcopy() if fake else contextlib.nullcontext():
-            step = TrainStep(workload, config, "cpu", move=move)
+            step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
+                             if sizes != [config.global_batch] else config, "cpu", move=move)
         step.tracing = fake
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
         if cuda_target:
             notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                          "attention save (output + fp32 logsumexp)")
-        step(workload.batch(config.global_batch))  # warm-up: optimizer state and scaler state now exist
-        batch = workload.batch(config.global_batch)
-        tracker = LiveBytes("cpu", host_apart=cuda_target)
-        if cuda_target:
-            tracker.track(step.host_tensors(), host=True)  # the global batch stays in host memory; only micro-batch copies reach the GPU
-            tracker.exclude.update(t.untyped_storage()._cdata for t in tensors_of(batch))
-        else:
-            tracker.track(tensors_of(batch), category="inputs")
-        tracker.track(_preexisting(step, mode))
-        saved: set[int] = set()
+        if not cuda_target and (config.offload_activations or config.offload_optimizer):
+            notes.append("on a CPU device host and device memory are one: offloading only adds copies")
+        step.prime()
+        for size in sizes:
+            est = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
+            est.method = "fake" if fake else "measured"
+            if size != config.global_batch:
+                est.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
+            results.append(est)
+    return results
 
-        def pack(t):
-            saved.add(tracker.uid(t))
-            return t
 
-        step.on_phase = tracker.mark
-        step.move = lambda b, d: _tag(tracker, move(b, d))
-        scope = ModuleScope(step.model, tracker)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
-                step(batch)
-        finally:
-            scope.remove()
-            tracker.close()
-        labels = _labels(step, tracker, saved)
-        model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
-                       for c in ("parameters", "gradients", "optimizer_state")}
-        n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
-        moved = step.moved_bytes
-    if not cuda_target and (config.offload_activations or config.offload_optimizer):
-        notes.append("on a CPU device host and device memory are one: offloading only adds copies")
-    est = _summarise(workload, config, dev, tracker, labels, model_state, n_params, notes)
-    est.method = "fake" if fake else "measured"
-    est.moved_bytes = moved
+def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Estimate:
+    """One step of `step` on `batch` with the counter running; everything live is labelled afterwards."""
+    cuda_target = dev.kind == "cuda"
+    move = step.move
+    tracker = LiveBytes("cpu", host_apart=cuda_target)
+    if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
+        tracker.track(step.host_tensors(), host=True)
+        tracker.exclude.update(t.untyped_storage()._cdata for t in tensors_of(batch))
+    else:
+        tracker.track(tensors_of(batch), category="inputs")
+    tracker.track(_preexisting(step, mode))
+    saved: set[int] = set()
+
+    def pack(t):
+        saved.add(tracker.uid(t))
+        return t
+
+    step.on_phase = tracker.mark
+    step.move = lambda b, d: _tag(tracker, move(b, d))
+    scope = ModuleScope(step.model, tracker)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+            step(batch)
+    finally:
+        scope.remove()
+        tracker.close()
+        step.move, step.on_phase = move, (lambda phase: None)
+    labels = _labels(step, tracker, saved)
+    model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
+                   for c in ("parameters", "gradients", "optimizer_state")}
+    n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
+    est = _summarise(workload, step.config, dev, tracker, labels, model_state, n_params, notes)
+    est.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
+    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "kind": tracker.op_kind}
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
     return est
@@ -271,13 +293,21 @@ def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
 # ------------------------------------------------------------------------------------------- fallback
 
 def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Estimate:
-    """Fake tensors could not follow the step. Measure real CPU steps: at the requested micro-batch when
-    it is small, else at a quarter and a half of it, extrapolated linearly (activations scale with the
-    micro-batch; model state does not)."""
+    """Fake tensors could not follow the step: measure real CPU steps instead. Small micro-batches are
+    measured as asked. Larger ones are first measured at a quarter and a half of the size; if the straight
+    line through those predicts a step that fits comfortably in free host memory, the real size is measured
+    too (data-dependent models are not linear: a top-2 MoE was 7% off extrapolated), else the line is used."""
     m = config.micro_batch
-    small = [m] if m <= 8 else [m // 4, m // 2]
     try:
-        points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
+        if m <= 8:
+            points, small = [_trace(workload, config, dev, fake=False)], [m]
+        else:
+            small = [m // 4, m // 2]
+            points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
+            (m1, e1), (m2, e2) = zip(small, points)
+            predicted = e2.peak_bytes + (e2.peak_bytes - e1.peak_bytes) * (m - m2) / (m2 - m1)
+            if predicted < 0.5 * _free_host_bytes():
+                points, small = [_trace(workload, config, dev, fake=False)], [m]
     except ConfigError:
         raise
     except Exception as e:
@@ -286,7 +316,8 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
     why = f"fake tensors could not follow this step ({reason})"
     if len(points) == 1:
         est.method = "measured"
-        est.notes.insert(0, f"{why}; measured a real CPU step at micro-batch {config.micro_batch}")
+        est.notes.insert(0, f"{why}; measured a real CPU step at micro-batch {config.micro_batch}; "
+                            "data-dependent memory may differ on other data")
         return est
     (m1, e1), (m2, e2) = zip(small, points)
     scale = (config.micro_batch - m2) / (m2 - m1)
@@ -306,6 +337,10 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
     est.notes.insert(0, f"{why}; measured real CPU steps at micro-batch {m1} and {m2} and extrapolated "
                         f"linearly to {config.micro_batch}; data-dependent memory may differ on other data")
     return est
+
+
+def _free_host_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # ------------------------------------------------------------------------------------------- isolation

@@ -60,6 +60,10 @@ class LiveBytes(TorchDispatchMode):
         self._next_uid = 0
         self.phase = "setup"
         self.flops_by_module: dict[str, int] = {}
+        # one record per op for the step-time model: FLOPs, bytes read + written, matmul dtype, host side
+        self.op_flops: list[int] = []
+        self.op_bytes: list[int] = []
+        self.op_kind: list[str] = []  # "f32" | "lp" (bf16/fp16 compute) | "host" | "view"
         self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
         self._active = True
 
@@ -158,11 +162,26 @@ class LiveBytes(TorchDispatchMode):
                 self.flops_by_module[module] = self.flops_by_module.get(module, 0) + flops
                 if self.phase == "backward" and self.module_stack:
                     self.recompute_flops += flops
+            self._record_op(func, args, kwargs, out, flops)
             name = func.__name__ if hasattr(func, "__name__") else str(func)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._add(t, name)
         return out
+
+
+    def _record_op(self, func, args, kwargs, out, flops: int) -> None:
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if getattr(func, "is_view", False):
+            kind, moved = "view", 0
+        else:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in ins + outs)
+            low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
+            kind = "host" if on_host_side() else ("lp" if low else "f32")
+        self.op_flops.append(flops)
+        self.op_bytes.append(moved)
+        self.op_kind.append(kind)
 
 
 class ModuleScope:

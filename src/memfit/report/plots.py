@@ -1,0 +1,262 @@
+"""PNG charts of an estimate's memory timeline and of a run's loss curve.
+
+Pure functions of the data, drawn with matplotlib's Agg canvas on a private `Figure` (no pyplot, so no
+display is needed and no global figure state or backend is touched). Each function writes one PNG of a
+fixed pixel size (`size` inches x `dpi`) and returns its path.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.units import fmt_bytes
+
+SIZE = (11.0, 5.5)   # inches
+DPI = 120            # -> 1320 x 660 pixels
+
+_LABELS = {
+    "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
+    "inputs": "inputs", "activations": "activations (saved for backward)", "temporaries": "temporaries",
+}
+# colour-blind-safe (Okabe-Ito), model state in cool colours, step-dependent memory in warm ones
+_COLORS = {
+    "parameters": "#0072B2", "gradients": "#56B4E9", "optimizer_state": "#009E73",
+    "inputs": "#999999", "activations": "#E69F00", "temporaries": "#D55E00",
+}
+_PHASE_SHADES = {"setup": "#f2f2f2", "forward": "#eaf2fb", "backward": "#fbefe6", "optimizer": "#eaf6ef"}
+_RC = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11, "legend.fontsize": 9.5,
+       "xtick.labelsize": 10, "ytick.labelsize": 10}
+
+
+def _unit(nbytes: float) -> tuple[str, int]:
+    for name, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return name, scale
+    return "bytes", 1
+
+
+def _new_figure(size=SIZE) -> Figure:
+    fig = Figure(figsize=size, dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, format="png")  # no bbox_inches="tight": the pixel size stays SIZE x DPI
+    return path
+
+
+def _phase_spans(index: Sequence[int], phases: Sequence[str]) -> list[tuple[str, int, int]]:
+    """[(phase, first index, last index)] of consecutive runs in the timeline."""
+    spans: list[tuple[str, int, int]] = []
+    for i, ph in zip(index, phases):
+        if spans and spans[-1][0] == ph:
+            spans[-1] = (ph, spans[-1][1], i)
+        else:
+            spans.append((ph, i, i))
+    # each span reaches to where the next one starts, so the shading has no gaps
+    return [(ph, a, spans[k + 1][1] if k + 1 < len(spans) else b) for k, (ph, a, b) in enumerate(spans)]
+
+
+def _from_step_start(tl: dict) -> dict:
+    """The timeline from the moment the step's starting state is complete. The tracer's first events
+    register the tensors that already exist when the step begins (weights, last step's gradients,
+    optimizer state) one by one: a ramp from zero that never happened. It rises monotonically until the
+    step frees something (zero_grad), so the setup phase is cut to start at its maximum."""
+    n = len(tl["index"])
+    if not n or tl["phase"][0] != "setup":
+        return tl
+    totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(n)]
+    start = 0
+    while start + 1 < n and tl["phase"][start + 1] == "setup" and totals[start + 1] >= totals[start]:
+        start += 1
+    return {k: list(v[start:]) for k, v in tl.items()}
+
+
+def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> Path:
+    """Stacked area chart of live bytes by category over the step's allocation events, phases shaded,
+    the peak marked; on a GPU target, the device's memory (and the predicted reserved peak) as lines."""
+    from matplotlib import rc_context
+
+    tl = _from_step_start(estimate.timeline)
+    x = list(tl["index"])
+    if not x:
+        raise ValueError("the estimate has an empty timeline: nothing to plot")
+    totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(len(x))]
+    peak_i = max(range(len(x)), key=totals.__getitem__)
+    peak = totals[peak_i]
+
+    gpu = estimate.peak_allocated_bytes is not None and estimate.device_total_bytes
+    device_total = estimate.device_total_bytes if gpu else None
+    reserved = estimate.peak_reserved_bytes if gpu else None
+    # Draw the device / reserved lines only when they do not flatten the chart; otherwise say where they are.
+    device_on_scale = device_total is not None and device_total <= 4 * max(peak, 1)
+    reserved_on_scale = bool(reserved) and reserved <= 4 * max(peak, 1)
+    top = max(peak, device_total if device_on_scale else 0, reserved if reserved_on_scale else 0)
+    unit, scale = _unit(top)
+
+    with rc_context(_RC):
+        fig = _new_figure()
+        ax = fig.add_subplot()
+        ys = [[v / scale for v in tl[c]] for c in CATEGORIES]
+        ax.stackplot(x, *ys, labels=[_LABELS[c] for c in CATEGORIES], colors=[_COLORS[c] for c in CATEGORIES],
+                     alpha=0.9, linewidth=0)
+        ax.plot(x, [t / scale for t in totals], color="#222222", linewidth=0.8)
+        ax.set_xlim(x[0], x[-1])
+        ymax = top / scale * 1.18
+        ax.set_ylim(0, ymax)
+
+        # phases: shaded spans, a dashed line where each starts, the name on top
+        for k, (ph, a, b) in enumerate(_phase_spans(x, tl["phase"])):
+            ax.axvspan(a, b, color=_PHASE_SHADES.get(ph, "#f5f5f5"), zorder=-2, linewidth=0)
+            if k:
+                ax.axvline(a, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
+            if (b - a) >= 0.04 * (x[-1] - x[0] or 1):  # room for the name
+                ax.text((a + b) / 2, ymax * 0.985, ph, ha="center", va="top", fontsize=10.5,
+                        color="#333333", style="italic", zorder=4)
+
+        # the peak
+        px = x[peak_i]
+        ax.plot([px], [peak / scale], marker="v", markersize=9, color="#B00020", zorder=6,
+                markeredgecolor="white", markeredgewidth=0.8)
+        ax.axvline(px, color="#B00020", linewidth=0.8, alpha=0.6, zorder=5)
+        left = px > x[0] + 0.6 * (x[-1] - x[0])
+        ax.annotate(f"peak {estimate.peak_bytes / scale:.2f} {unit} ({estimate.peak_phase})",
+                    xy=(px, peak / scale), xytext=(-10 if left else 10, 6), textcoords="offset points",
+                    ha="right" if left else "left", va="bottom", fontsize=10.5, fontweight="bold",
+                    color="#B00020", zorder=7,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.8))
+
+        off_scale = []
+        if device_total is not None:
+            name = estimate.device
+            if device_on_scale:
+                ax.axhline(device_total / scale, color="#B00020", linewidth=1.6, zorder=5)
+                ax.text(x[0] + 0.005 * (x[-1] - x[0]), device_total / scale,
+                        f" {name} memory {fmt_bytes(device_total)}", va="bottom", ha="left", fontsize=10,
+                        color="#B00020", zorder=7)
+            else:
+                off_scale.append(f"{name} memory: {fmt_bytes(device_total)}\n"
+                                 f"(the peak is {100 * estimate.peak_bytes / device_total:.2g}% of it)")
+        if reserved:
+            if reserved_on_scale:
+                ax.axhline(reserved / scale, color="#6a3d9a", linewidth=1.1, linestyle=":", zorder=5)
+                ax.text(x[-1] - 0.005 * (x[-1] - x[0]), reserved / scale,
+                        f"predicted reserved peak {fmt_bytes(reserved)} ", va="bottom", ha="right",
+                        fontsize=9.5, color="#6a3d9a", zorder=7)
+            else:
+                off_scale.append(f"predicted reserved peak:\n{fmt_bytes(reserved)} (allocator cache,\n"
+                                 "cuBLAS workspace included)")
+        if off_scale:
+            ax.text(1.02, 0.42, "off the scale of this chart:\n" + "\n".join(off_scale), transform=ax.transAxes,
+                    ha="left", va="top", fontsize=9.5, color="#6a1010", linespacing=1.35)
+
+        ax.set_xlabel("allocation event in the step")
+        ax.set_ylabel(f"live tensor memory ({unit})")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.grid(axis="y", color="#cccccc", linewidth=0.6, alpha=0.7)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        if title is None:
+            cfg = estimate.config
+            bits = [f"micro-batch {cfg.get('micro_batch')}", str(cfg.get("precision"))]
+            if cfg.get("grad_accum", 1) > 1:
+                bits.append(f"accumulation {cfg['grad_accum']}")
+            if cfg.get("checkpoint", "none") != "none":
+                bits.append(f"checkpoint {cfg['checkpoint']}")
+            title = f"Memory over one training step — {estimate.workload} · {' · '.join(bits)} · {estimate.device}"
+        ax.set_title(title, loc="left")
+        # legend outside the plot, on the right, top-down in stacking order (as the areas appear)
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+                  title="category", title_fontsize=10)
+        return _save(fig, path)
+
+
+def _leading_digit(v: float) -> int:
+    return int(f"{v:e}"[0]) if v > 0 else 0
+
+
+def _ema(values: Sequence[float], alpha: float) -> list[float]:
+    """Bias-corrected exponential moving average (as TensorBoard smooths): the first points are not
+    dragged towards zero."""
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        avg = alpha * avg + (1 - alpha) * v
+        weight = alpha * weight + (1 - alpha)
+        out.append(avg / weight)
+    return out
+
+
+def plot_loss(records: Iterable[dict], path, title: str | None = None, smoothing: float | None = None) -> Path:
+    """Loss against step: the raw points, an EMA over them (smoothing 0..1; default picked from the
+    number of points), a log y axis when the loss spans more than 10x, and the learning rate on a second
+    axis when the records carry "lr". Non-finite losses are left out (and counted in the legend)."""
+    from matplotlib import rc_context
+
+    rows = [r for r in records if r.get("loss") is not None]
+    good = [r for r in rows if math.isfinite(float(r["loss"]))]
+    if not good:
+        raise ValueError("plot_loss: no records with a finite 'loss'")
+    good.sort(key=lambda r: r["step"])
+    steps = [r["step"] for r in good]
+    loss = [float(r["loss"]) for r in good]
+    n = len(loss)
+    if smoothing is None:  # about a tenth of the run as the EMA's span, within sensible bounds
+        smoothing = min(0.98, max(0.5, 1 - 2 / (n / 10 + 1)))
+    smooth = _ema(loss, smoothing)
+    log_y = min(loss) > 0 and max(loss) / min(loss) > 10
+
+    with rc_context(_RC):
+        fig = _new_figure((9.0, 5.0))
+        ax = fig.add_subplot()
+        raw_label = "loss (per step)"
+        if len(rows) > n:
+            raw_label += f"; {len(rows) - n} non-finite left out"
+        ax.plot(steps, loss, color="#0072B2", alpha=0.3 if n > 1 else 1.0, linewidth=0.9,
+                marker="o" if n <= 60 else None, markersize=3 if n > 1 else 6, label=raw_label)
+        if steps[0] == steps[-1]:  # one step: give the axis a width of whole steps
+            ax.set_xlim(steps[0] - 1, steps[0] + 1)
+        if n >= 2 and smoothing > 0:
+            ax.plot(steps, smooth, color="#0072B2", linewidth=2.2, label=f"EMA (smoothing {smoothing:.2f})")
+        if log_y:
+            ax.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if _leading_digit(v) in (2, 3, 5) else ""))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss" + (" (log scale)" if log_y else ""))
+        ax.grid(color="#cccccc", linewidth=0.6, alpha=0.7, which="major")
+        ax.set_axisbelow(True)
+        ax.spines["top"].set_visible(False)
+        handles, labels = ax.get_legend_handles_labels()
+
+        lrs = [(r["step"], r["lr"]) for r in good if r.get("lr") is not None]
+        if lrs:
+            ax2 = ax.twinx()
+            ax2.plot([s for s, _ in lrs], [v for _, v in lrs], color="#E69F00", linewidth=1.4, linestyle="--",
+                     label="learning rate")
+            ax2.set_ylabel("learning rate", color="#B07800")
+            ax2.tick_params(axis="y", colors="#B07800")
+            ax2.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+            ax2.spines["top"].set_visible(False)
+            ax2.set_ylim(bottom=0)
+            h2, l2 = ax2.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        else:
+            ax.spines["right"].set_visible(False)
+        ax.legend(handles, labels, loc="upper right", framealpha=0.9)
+        last = f"last {loss[-1]:.4g}, EMA {smooth[-1]:.4g}" if n >= 2 and smoothing > 0 else f"last {loss[-1]:.4g}"
+        ax.set_title(title or f"Training loss — {n} step{'s' if n != 1 else ''}, {last}", loc="left")
+        return _save(fig, path)

@@ -1,0 +1,467 @@
+"""Checkpoints for exact resume, and the final safetensors export.
+
+Layout: ``RUN_DIR/checkpoints/step-00000042.pt`` (step zero-padded to 8 digits so names sort; larger steps
+still work, ordering is by the parsed number). Nothing else is needed: `latest_checkpoint` finds the newest.
+
+Atomicity: a checkpoint is written to a temporary file in the same directory (``.step-00000042.pt.<random>.tmp``),
+flushed and fsynced, renamed onto its final name with `os.replace` (an atomic rename on POSIX, and one that
+also overwrites on Windows), and the directory is fsynced so the rename itself is durable. A crash (even
+``kill -9``) at any point leaves either the old set of checkpoints or the old set plus the new one, never a
+half-written ``step-*.pt``. Older checkpoints beyond the newest `keep` are deleted only after the new one is
+complete. Leftover temporary files are ignored by `latest_checkpoint` and removed by the next successful save
+(one writer per run directory is assumed).
+
+Loading uses ``torch.load(path, map_location="cpu", weights_only=True)``: no pickled code runs. Everything a
+checkpoint holds is therefore tensors, dicts, lists, tuples, ints, floats, strings, bools and None; the RNG
+states (Python's `random`, numpy's) are converted to tensors and plain types on save.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+FORMAT = "memfit-checkpoint"
+VERSION = 1
+CHECKPOINT_SUBDIR = "checkpoints"
+_NAME_RE = re.compile(r"^step-(\d+)\.pt$")
+_TMP_RE = re.compile(r"^\.step-\d+\.pt\..*\.tmp$")
+
+# Components that wrappers insert into parameter names. "module." is only stripped as a leading component
+# (DataParallel / DistributedDataParallel wrap the whole model), because a real submodule may be called
+# "module"; the others are reserved attribute names of their wrappers and are stripped wherever they occur.
+_LEADING_PREFIXES = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded or applied; the message is one line naming the file or the keys."""
+
+
+# --------------------------------------------------------------------------------------------- paths
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINT_SUBDIR
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step-{int(step):08d}.pt"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every complete-by-name checkpoint, oldest first. Temporary files never match."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _NAME_RE.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------------- atomic writing
+
+
+def _fsync_dir(d: Path) -> None:
+    """Make a rename/unlink in `d` durable. Not possible on Windows (directories cannot be opened)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: Path, write) -> None:
+    """`write(tmp_path)` writes the whole file; then fsync, rename onto `final`, fsync the directory.
+    On any failure the temporary file is removed and `final` is untouched."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:  # flush whatever the writer left in OS buffers to the disk
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(final.parent)
+
+
+def _torch_save_to(obj) -> Any:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+    return write
+
+
+# ----------------------------------------------------------------------------------------- RNG state
+
+
+def _rng_state() -> dict:
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+        "cuda": None,
+        "numpy": None,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    if "numpy" in sys.modules:  # only if the program uses numpy at all; never import it just for this
+        np = sys.modules["numpy"]
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def _set_rng_state(state: Mapping) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            warnings.warn("checkpoint holds CUDA RNG states but CUDA is not available: not restored", stacklevel=3)
+        else:
+            n = torch.cuda.device_count()
+            if n != len(cuda):
+                warnings.warn(f"checkpoint holds CUDA RNG states for {len(cuda)} device(s), this process sees {n}: "
+                              f"restoring the first {min(n, len(cuda))}", stacklevel=3)
+            for i, s in enumerate(cuda[:n]):
+                torch.cuda.set_rng_state(s, i)
+    npst = state.get("numpy")
+    if npst is not None:
+        import numpy as np
+        np.random.set_state((npst["name"], npst["keys"].numpy().astype(np.uint32), int(npst["pos"]),
+                             int(npst["has_gauss"]), float(npst["cached_gaussian"])))
+
+
+# ------------------------------------------------------------------------------------ plain-data check
+
+
+def _check_plain(value, what: str, path: str = "") -> None:
+    """Everything saved must load under weights_only=True: refuse anything else at save time, not at resume."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{what}{path}: key {k!r} is a {type(k).__name__}; only str/int keys can be saved")
+            _check_plain(v, what, f"{path}[{k!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, what, f"{path}[{i}]")
+        return
+    raise TypeError(f"{what}{path} is a {type(value).__name__}; a checkpoint can only hold tensors, dicts, lists, "
+                    "ints, floats, strings, bools and None")
+
+
+# ------------------------------------------------------------------------------------------ saving
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
+                    data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None) -> Path:
+    """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and return its path.
+
+    `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
+    (e.g. a sampler's state) returned untouched by `load_checkpoint(...)["data_state"]`. After the new file is
+    complete, only the newest `keep` checkpoints (by step; the one just written is always kept) remain;
+    ``keep=None`` keeps all. `optimizer_offload` is the engine's `OptimizerOffload` when the optimizer steps
+    fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
+    own parameters are lower precision.
+    """
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep}")
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    config = dict(config)
+    data_state = dict(data_state or {})
+    _check_plain(config, "config")
+    _check_plain(data_state, "data_state")
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "offload_master": ([m.detach() for m in optimizer_offload.master] if optimizer_offload is not None else None),
+        "rng": _rng_state(),
+        "data_state": data_state,
+        "config": config,
+        "torch_version": str(torch.__version__),
+    }
+    _check_plain(payload["optimizer"], "optimizer.state_dict()")
+    if payload["scheduler"] is not None:
+        _check_plain(payload["scheduler"], "scheduler.state_dict()")
+    final = checkpoint_path(run_dir, step)
+    _atomic_write(final, _torch_save_to(payload))
+    _prune(run_dir, keep, final)
+    return final
+
+
+def _prune(run_dir, keep: int | None, just_written: Path) -> None:
+    d = checkpoint_dir(run_dir)
+    for p in d.iterdir():  # leftovers of saves that were killed mid-write
+        if _TMP_RE.match(p.name):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+    if keep is None:
+        return
+    others = [p for _, p in list_checkpoints(run_dir) if p != just_written]
+    for p in others[: max(0, len(others) - (keep - 1))]:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+    _fsync_dir(d)
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    if line.startswith("Weights only load failed"):  # torch's boilerplate; the reason is a later line
+        reason = next((ln for ln in lines[1:] if "global" in ln.lower()), None)
+        line = "weights_only=True refused it: " + (reason or line)
+    text = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _load(path: Path, mmap: bool) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    if not zipfile.is_zipfile(path):  # cheap: reads the end-of-archive record that a truncated file lacks
+        raise CheckpointError(f"{path}: corrupt or not a memfit checkpoint: not a complete zip archive "
+                              f"({path.stat().st_size} bytes; truncated?)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # truncated zip, bad pickle, a disallowed global under weights_only, ...
+        raise CheckpointError(f"{path}: corrupt or not a memfit checkpoint: {_one_line(e)}") from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a memfit checkpoint (no '{FORMAT}' format marker)")
+    version = obj.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {version!r} is not supported "
+                              f"(this memfit reads up to {VERSION})")
+    missing = [k for k in ("step", "model", "optimizer", "rng", "data_state", "config") if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: corrupt memfit checkpoint: missing {', '.join(missing)}")
+    return obj
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Load a checkpoint onto the CPU with ``weights_only=True``. Raises `CheckpointError` (one line naming
+    the file) if it is missing, truncated, corrupt, holds pickled code, or is not a memfit checkpoint.
+
+    Keys: format, version, step, model, optimizer, scaler, scheduler, offload_master, rng, data_state, config,
+    torch_version.
+    """
+    return _load(Path(path), mmap=False)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``RUN_DIR/checkpoints``, or None. Temporary files are ignored;
+    a checkpoint that fails to load is skipped with a warning naming it, falling back to the previous one.
+
+    Validation memory-maps the file (``torch.load(..., mmap=True)``): the zip structure, the pickled
+    structure and the format marker are checked without reading every tensor into memory, so a truncated
+    or garbled file is caught cheaply (if that fails the file is read in full before it is given up on);
+    `load_checkpoint` then reads it in full.
+    """
+    for _, p in reversed(list_checkpoints(run_dir)):
+        try:
+            _load(p, mmap=True)
+        except CheckpointError:
+            try:  # mmap may be unsupported where the file lives; a full read also gives a clearer reason
+                _load(p, mmap=False)
+            except CheckpointError as e:
+                warnings.warn(f"skipping unreadable checkpoint {e}", stacklevel=2)
+                continue
+        return p
+    return None
+
+
+# ---------------------------------------------------------------------------------------- restoring
+
+
+def restore(ckpt: Mapping, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None,
+            scheduler=None, optimizer_offload=None) -> None:
+    """Load model, optimizer, grad scaler, LR scheduler (and offloaded master weights) states, then the RNG
+    states, so the next step is the one the interrupted run would have taken. The step number and
+    `data_state` are the caller's to apply (``ckpt["step"]``, ``ckpt["data_state"]``)."""
+    load_model_state(model, ckpt["model"])
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"optimizer state does not fit this optimizer: {_one_line(e)}") from e
+    if optimizer_offload is not None:
+        masters = ckpt.get("offload_master")
+        with torch.no_grad():
+            if masters is not None:
+                if len(masters) != len(optimizer_offload.master):
+                    raise CheckpointError(f"checkpoint holds {len(masters)} offloaded master tensors, "
+                                          f"the optimizer offload has {len(optimizer_offload.master)}")
+                for m, saved in zip(optimizer_offload.master, masters):
+                    m.copy_(saved)
+            else:  # saved without offload: the model's parameters are the masters
+                for m, p in zip(optimizer_offload.master, optimizer_offload.params):
+                    m.copy_(p.detach())
+    _load_optional("scaler", scaler, ckpt.get("scaler"))
+    _load_optional("scheduler", scheduler, ckpt.get("scheduler"))
+    _set_rng_state(ckpt["rng"])
+
+
+def _load_optional(name: str, obj, state) -> None:
+    if obj is not None and state is not None:
+        obj.load_state_dict(state)
+    elif obj is not None:
+        warnings.warn(f"checkpoint holds no {name} state: the {name} starts fresh", stacklevel=3)
+    elif state is not None:
+        warnings.warn(f"checkpoint holds {name} state but no {name} was given: ignored", stacklevel=3)
+
+
+def normalize_key(key: str) -> str:
+    """Strip wrapper components: leading ``module.`` / ``_orig_mod.`` / ``_fsdp_wrapped_module.`` /
+    ``_checkpoint_wrapped_module.`` (repeatedly) and the last three wherever they occur."""
+    parts = key.split(".")
+    i = 0
+    while i < len(parts) - 1 and parts[i] in _LEADING_PREFIXES:
+        i += 1
+    return ".".join(p for j, p in enumerate(parts) if j >= i and not (p in _ANYWHERE and j < len(parts) - 1))
+
+
+def _normalized(keys: Iterable[str], side: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k in keys:
+        n = normalize_key(k)
+        if n in out:
+            raise CheckpointError(f"{side} keys {out[n]!r} and {k!r} both normalise to {n!r}: "
+                                  "cannot match them unambiguously")
+        out[n] = k
+    return out
+
+
+def _first(keys: list[str], n: int = 5) -> str:
+    shown = ", ".join(keys[:n])
+    return shown + (f", ... (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """`model.load_state_dict` that ignores wrapper prefixes (DataParallel/DDP ``module.``, torch.compile
+    ``_orig_mod.``, FSDP ``_fsdp_wrapped_module.``, activation-checkpoint ``_checkpoint_wrapped_module.``) on
+    both sides: a checkpoint from a wrapped model loads into a bare one and vice versa. Keys that still do
+    not match, and shape mismatches, raise `CheckpointError` naming them."""
+    own = model.state_dict()
+    own_norm = _normalized(own.keys(), "model")
+    ckpt_norm = _normalized(state_dict.keys(), "checkpoint")
+    missing = [own_norm[n] for n in own_norm if n not in ckpt_norm]
+    unexpected = [ckpt_norm[n] for n in ckpt_norm if n not in own_norm]
+    shapes = []
+    for n, k in own_norm.items():
+        if n in ckpt_norm:
+            a, b = state_dict[ckpt_norm[n]], own[k]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+                shapes.append(f"{k}: checkpoint {tuple(a.shape)} vs model {tuple(b.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing from checkpoint: {_first(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected in checkpoint: {_first(unexpected)}")
+        if shapes:
+            parts.append(f"{len(shapes)} shape mismatch(es): {_first(shapes, 3)}")
+        raise CheckpointError("model state does not match the model after stripping wrapper prefixes: "
+                              + "; ".join(parts))
+    remapped = {own_norm[n]: state_dict[k] for n, k in ckpt_norm.items()}
+    model.load_state_dict(remapped, strict=True)
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+def export_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Write the model's final weights (its state_dict, wrapper prefixes stripped) to `path` as safetensors,
+    atomically (temporary file, fsync, rename, fsync of the directory).
+
+    safetensors refuses tensors that share storage (tied embeddings, views). Choice: every state_dict key is
+    kept and a tensor whose storage was already written is *cloned*, so the file loads with a plain
+    `safetensors.torch.load_file` and has exactly the model's keys, at the cost of storing tied weights
+    twice. The ties are recorded in the metadata (``"memfit.tied"``: ``"alias=original,..."``) for anyone who
+    wants to re-tie them.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    sd = model.state_dict()
+    names = _normalized(sd.keys(), "model")
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, tuple[str, torch.Tensor]] = {}  # storage -> (first name, its original view)
+    tied = []
+    for n, k in names.items():
+        src = sd[k].detach()
+        # identify storage on the tensor's own device: a .cpu() copy would hide the sharing
+        key = (src.device, src.untyped_storage().data_ptr()) if src.numel() else None
+        t = src.cpu() if src.device.type != "cpu" else src
+        if key is not None and key in seen:
+            first, view = seen[key]
+            if _same_view(view, src):
+                tied.append(f"{n}={first}")
+            t = t.clone(memory_format=torch.contiguous_format)
+        else:
+            if key is not None:
+                seen[key] = (n, src)
+            if not t.is_contiguous():
+                t = t.contiguous()
+        tensors[n] = t
+    metadata = {"format": "pt"}
+    if tied:
+        metadata["memfit.tied"] = ",".join(tied)
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+    _atomic_write(path, write)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.storage_offset() == b.storage_offset() \
+        and a.stride() == b.stride()
+
+
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "restore",
+           "load_model_state", "export_safetensors", "list_checkpoints", "checkpoint_path", "normalize_key"]
