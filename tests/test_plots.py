@@ -6,10 +6,12 @@ import matplotlib.image
 import pytest
 
 import memfit
+from memfit.memory.estimate import CATEGORIES
 from memfit.report import plots
 from memfit.workloads import builtin
 
-WIDTH, HEIGHT = round(plots.SIZE[0] * plots.DPI), round(plots.SIZE[1] * plots.DPI)
+WIDTH, HEIGHT = round(plots.SIZE[0] * plots.DPI), round(plots.SIZE[1] * plots.DPI)  # 1320 x 660
+LOSS_PX = (round(plots.LOSS_SIZE[0] * plots.DPI), round(plots.LOSS_SIZE[1] * plots.DPI))  # 1080 x 600
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def test_memory_timeline_with_device_line(est, tmp_path):
 
 def test_setup_ramp_is_trimmed(est):
     tl = plots._from_step_start(est.timeline)
-    totals = [sum(tl[c][i] for c in memfit.memory.estimate.CATEGORIES) for i in range(len(tl["index"]))]
+    totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(len(tl["index"]))]
     # the step starts with its whole state: weights, last step's gradients, optimizer state
     assert totals[0] >= sum(est.model_state_bytes.values())
     assert max(totals) == est.peak_bytes
@@ -53,9 +55,9 @@ def test_loss_png(tmp_path):
                for i in range(200)]  # spans > 10x: log scale
     records.append({"step": 200, "loss": float("nan")})
     out = plots.plot_loss(records, tmp_path / "loss.png")
-    _check_png(out, 1080, 600)
+    _check_png(out, *LOSS_PX)
     short = plots.plot_loss([{"step": i, "loss": 2.0 - 0.1 * i} for i in range(5)], tmp_path / "short.png")
-    _check_png(short, 1080, 600)
+    _check_png(short, *LOSS_PX)
 
 
 def test_loss_needs_a_finite_value(tmp_path):

@@ -95,6 +95,65 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from memfit.memory.devices import get_device
+    from memfit.planner.search import plan
+    from memfit.workload import load_workload
+
+    workload = load_workload(args.workload, **_options(args))
+    device = get_device(args.device)
+    fixed = dict(precision=args.precision, micro_batch=args.micro_batch, checkpoint=args.checkpoint,
+                 offload_activations=True if args.offload_activations else None,
+                 offload_optimizer=True if args.offload_optimizer else None)
+    if args.max_micro_batch:
+        from memfit.planner.search import max_micro_batch
+        result = max_micro_batch(workload, budget=args.budget, device=device, **fixed)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            from rich.console import Console
+            from memfit.report.tables import max_batch_view
+            Console().print(max_batch_view(result))
+        return 0
+    if args.global_batch is None:
+        raise ValueError("plan needs --global-batch (samples per optimizer step)")
+    result = plan(workload, args.global_batch, budget=args.budget, device=device, **fixed)
+    verified = None
+    if args.verify:
+        from memfit.planner.verify import verify
+        verified = verify(workload, result, steps=args.verify_steps)
+    if args.json:
+        out = result.to_dict()
+        if verified:
+            out["verify"] = verified
+        print(json.dumps(out))
+    else:
+        from rich.console import Console
+        from memfit.report.tables import plan_view, verify_view
+        console = Console()
+        console.width = max(console.width, 100)
+        console.print(plan_view(result))
+        if verified:
+            console.print(verify_view(verified))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from memfit.planner.costmodel import calibrate, save_profile
+
+    profile = calibrate(args.device)
+    path = save_profile(profile, "cpu" if args.device == "cpu" else profile.device)
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+    else:
+        best = {k: max(f / t for f, t in pts) for k, pts in profile.matmul.items()}
+        print(f"{profile.device}: matmul up to {best['f32'] / 1e9:.1f} GFLOP/s fp32, {best['lp'] / 1e9:.1f} GFLOP/s "
+              f"bf16; copy {profile.bandwidth / 1e9:.1f} GB/s; {profile.op_overhead * 1e6:.1f} us per op"
+              + (f"; host link {profile.link_bandwidth / 1e9:.1f} GB/s" if profile.kind == "cuda" else "")
+              + f"\nsaved to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -106,6 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU: h100, a100-80gb, rtx-4090, ...")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_estimate)
+
+    p = sub.add_parser("plan", help="the fastest configuration that fits a memory budget")
+    _add_workload_args(p)
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--budget", help="memory budget: 24GiB, 80GB, bytes, or 50%% of the device (default: all of it)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU")
+    p.add_argument("--micro-batch", type=int, help="fix the micro-batch")
+    p.add_argument("--precision", choices=PRECISIONS, help="fix the precision")
+    p.add_argument("--checkpoint", type=_checkpoint_arg, help="fix checkpointing")
+    p.add_argument("--offload-activations", action="store_true", help="force activation offload")
+    p.add_argument("--offload-optimizer", action="store_true", help="force optimizer offload")
+    p.add_argument("--max-micro-batch", action="store_true", help="the largest micro-batch that fits, config fixed")
+    p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
+    p.add_argument("--verify-steps", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_calibrate)
 
     p = sub.add_parser("summary", help="per-module table: output shapes, parameters, saved activations, FLOPs")
     _add_workload_args(p)

@@ -60,6 +60,7 @@ class Estimate:
     device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
     host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
+    phase_peaks: dict = dataclasses.field(default_factory=dict)  # phase -> highest live bytes in it
     ops: dict = dataclasses.field(default_factory=dict)  # per-op "flops", "bytes", "kind": the step-time model's input
 
     @property
@@ -167,7 +168,9 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     est = _summarise(workload, step.config, dev, tracker, labels, model_state, n_params, notes)
     est.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
-    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "kind": tracker.op_kind}
+    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "kind": tracker.op_kind,
+               "phase": tracker.op_phase}
+    est.phase_peaks = dict(tracker.phase_peaks)
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
     return est

@@ -64,6 +64,8 @@ class LiveBytes(TorchDispatchMode):
         self.op_flops: list[int] = []
         self.op_bytes: list[int] = []
         self.op_kind: list[str] = []  # "f32" | "lp" (bf16/fp16 compute) | "host" | "view"
+        self.op_phase: list[str] = []
+        self.phase_peaks: dict[str, int] = {}  # the highest live total seen in each phase
         self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
         self._active = True
 
@@ -71,6 +73,7 @@ class LiveBytes(TorchDispatchMode):
     def mark(self, phase: str) -> None:
         self.phase = phase
         self.marks.append((len(self.events), phase))
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
 
     def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: str | None = None,
               host: bool = False) -> None:
@@ -125,6 +128,8 @@ class LiveBytes(TorchDispatchMode):
                                       self.phase, category)
         self.events.append((key, nbytes))
         self.current += nbytes
+        if self.current > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.current
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events) - 1
         weakref.finalize(st, self._free, address, key)
@@ -182,6 +187,7 @@ class LiveBytes(TorchDispatchMode):
         self.op_flops.append(flops)
         self.op_bytes.append(moved)
         self.op_kind.append(kind)
+        self.op_phase.append(self.phase)
 
 
 class ModuleScope:

@@ -17,8 +17,9 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 from memfit.memory.estimate import CATEGORIES, Estimate
 from memfit.units import fmt_bytes
 
-SIZE = (11.0, 5.5)   # inches
-DPI = 120            # -> 1320 x 660 pixels
+SIZE = (11.0, 5.5)        # inches: the memory timeline, 1320 x 660 pixels at DPI
+LOSS_SIZE = (9.0, 5.0)    # the loss curve, 1080 x 600 pixels
+DPI = 120
 
 _LABELS = {
     "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
@@ -218,7 +219,7 @@ def plot_loss(records: Iterable[dict], path, title: str | None = None, smoothing
     log_y = min(loss) > 0 and max(loss) / min(loss) > 10
 
     with rc_context(_RC):
-        fig = _new_figure((9.0, 5.0))
+        fig = _new_figure(LOSS_SIZE)
         ax = fig.add_subplot()
         raw_label = "loss (per step)"
         if len(rows) > n:

@@ -99,3 +99,46 @@ def _fmt_flops(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}FLOP"
     return f"{n} FLOP" if n else "-"
+
+
+def plan_view(plan) -> Group:
+    cfg = plan.config
+    head = Text.assemble(
+        ("memfit plan", "bold"), f"  {plan.estimate.workload} · global batch {cfg.global_batch} · {plan.device}"
+                                 f" · budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
+        ("chosen: ", "bold"), (_config_line(cfg.to_dict()), "bold cyan"),
+        f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
+        f" · step {plan.step_seconds * 1e3:.1f} ms · {plan.samples_per_second:.1f} samples/s",
+    )
+    alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
+    for col in ("configuration", "peak", "step", "vs chosen"):
+        alts.add_column(col, justify="left" if col == "configuration" else "right")
+    for c in plan.alternatives:
+        alts.add_row(_config_line(c.config.to_dict()) + ("" if c.confirmed else " *"), fmt_bytes(c.peak_bytes),
+                     f"{c.step_seconds * 1e3:.1f} ms", f"{c.step_seconds / plan.step_seconds:.2f}x")
+    fams = Table(title="by family", title_justify="left", show_edge=False)
+    fams.add_column("family")
+    fams.add_column("verdict")
+    for fam, verdict in plan.families:
+        fams.add_row(fam, verdict)
+    parts = [head, alts, Text("* predicted from probes, not confirmed by a full estimate", style="dim"), fams]
+    parts += [Text(f"note: {n}", style="dim") for n in plan.notes + [f"step times: {plan.profile_source}"]]
+    return Group(*parts)
+
+
+def verify_view(v: dict) -> Table:
+    table = Table(title="verified: predicted vs measured", title_justify="left")
+    for col in ("", "predicted", "measured", "error"):
+        table.add_column(col, justify="right" if col else "left")
+    pm, mm = v["predicted_peak_bytes"], v["measured_peak_bytes"]
+    ps, ms = v["predicted_step_seconds"], v["measured_step_seconds"]
+    table.add_row(f"peak memory ({v['peak_method']})", fmt_bytes(pm), fmt_bytes(mm), f"{100 * (pm / mm - 1):+.1f}%")
+    table.add_row("step time", f"{ps * 1e3:.1f} ms", f"{ms * 1e3:.1f} ms", f"{100 * (ps / ms - 1):+.1f}%")
+    return table
+
+
+def max_batch_view(r: dict) -> Text:
+    return Text.assemble(("memfit plan --max-micro-batch", "bold"), f"  {_config_line(r['config'])} · {r['device']}\n",
+                         ("largest micro-batch that fits: ", "bold"), (str(r["micro_batch"]), "bold cyan"),
+                         f" (peak {fmt_bytes(r['peak_bytes'])} of usable {fmt_bytes(r['usable_bytes'])}; "
+                         f"budget {fmt_bytes(r['budget_bytes'])})")

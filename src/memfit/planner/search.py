@@ -1,0 +1,309 @@
+"""`plan`: the fastest configuration that fits a memory budget, from a handful of traced probes.
+
+For each family (precision x checkpointing x offload) memfit traces two small micro-batches after one
+primed optimizer state. Memory per phase and every op's FLOPs and bytes are linear in the micro-batch,
+so the two probes predict any micro-batch; checkpointing every k-th block is interpolated between "none"
+and "all" by the share of blocks it covers. Candidates are ranked by predicted step time and the best are
+confirmed by a full estimate before one is chosen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from memfit.config import Config, ConfigError
+from memfit.memory.devices import Device, get_device
+from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate
+from memfit.planner.costmodel import Profile, phase_seconds, profile_for, step_seconds
+from memfit.strategies.checkpoint import find_blocks
+from memfit.units import fmt_bytes, parse_size
+from memfit.workload import Workload
+
+MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
+PROBES = (1, 2)
+
+
+class PlanError(Exception):
+    """Nothing fits, or the request cannot be planned; the message says what would make it fit."""
+
+
+@dataclasses.dataclass
+class Candidate:
+    config: Config
+    peak_bytes: int           # predicted use compared against the budget (device view for GPUs)
+    step_seconds: float
+    confirmed: bool = False   # checked by a full estimate
+    estimate: Estimate | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    config: Config
+    device: str
+    budget_bytes: int
+    usable_bytes: int
+    peak_bytes: int
+    step_seconds: float
+    samples_per_second: float
+    estimate: Estimate
+    alternatives: list        # [Candidate], fastest first, the chosen one excluded
+    families: list            # [(family, verdict)] why each family was or was not chosen
+    profile_source: str
+    notes: list
+
+    def to_dict(self) -> dict:
+        return dict(config=self.config.to_dict(), device=self.device, budget_bytes=self.budget_bytes,
+                    usable_bytes=self.usable_bytes, peak_bytes=self.peak_bytes, step_seconds=self.step_seconds,
+                    samples_per_second=self.samples_per_second, profile=self.profile_source, notes=self.notes,
+                    alternatives=[dict(config=c.config.to_dict(), peak_bytes=c.peak_bytes,
+                                       step_seconds=c.step_seconds, confirmed=c.confirmed) for c in self.alternatives],
+                    families=[dict(family=f, verdict=v) for f, v in self.families],
+                    estimate=self.estimate.to_dict())
+
+
+def resolve_budget(budget, dev: Device) -> int:
+    if budget is None:
+        return dev.memory_bytes
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        share = float(budget.strip()[:-1]) / 100
+        if not 0 < share <= 1:
+            raise ValueError(f"budget {budget!r}: a share of the device must be in (0%, 100%]")
+        return int(dev.memory_bytes * share)
+    return parse_size(budget)
+
+
+def _used(est: Estimate) -> int:
+    """What the budget is compared with: nvidia-smi's view on a GPU, live tensor bytes on a CPU."""
+    return est.device_peak_bytes if est.device_peak_bytes is not None else est.peak_bytes
+
+
+@dataclasses.dataclass
+class _Family:
+    """Two probes of one family, and what they predict at any micro-batch."""
+    base: Config
+    probes: list  # [Estimate at PROBES[0], Estimate at PROBES[1]]
+
+    def _line(self, a: float, b: float, m: int) -> float:
+        m1, m2 = PROBES
+        return a + (b - a) * (m - m1) / (m2 - m1)
+
+    def memory(self, m: int, accum: int, cpu: bool) -> int:
+        e1, e2 = self.probes
+        phases = {p: self._line(e1.phase_peaks.get(p, 0), e2.phase_peaks.get(p, 0), m)
+                  for p in ("forward", "backward", "optimizer")}
+        if accum > 1:  # gradients of earlier micro-steps are alive during later forwards
+            phases["forward"] += e2.model_state_bytes["gradients"] or e2.breakdown["gradients"]
+        live = max(phases.values())
+        if cpu:  # on a CPU the whole global batch is device memory, not just one micro-batch
+            per_sample = (e2.breakdown["inputs"] - e1.breakdown["inputs"]) / (PROBES[1] - PROBES[0])
+            live += per_sample * m * (accum - 1)
+            return int(live)
+        ratio = e2.peak_reserved_bytes / max(e2.peak_bytes, 1)  # allocator rounding and caching
+        return int(live * ratio + (e2.device_peak_bytes - e2.peak_reserved_bytes))
+
+    def seconds(self, profile: Profile, m: int, accum: int) -> float:
+        e1, e2 = self.probes
+        if len(e1.ops["flops"]) != len(e2.ops["flops"]):  # op lists differ (data-dependent): scale totals
+            t1, t2 = step_seconds(profile, e1), step_seconds(profile, e2)
+            return accum * self._line(t1, t2, m)
+        f1, f2 = (torch.tensor(e.ops["flops"], dtype=torch.float64) for e in (e1, e2))
+        b1, b2 = (torch.tensor(e.ops["bytes"], dtype=torch.float64) for e in (e1, e2))
+        scaled = (self._line(f1, f2, m).clamp(min=0), self._line(b1, b2, m).clamp(min=0))
+        micro = phase_seconds(profile, e2.ops, ("forward", "backward"), scaled)
+        rest = phase_seconds(profile, e2.ops, ("optimizer", "setup"), scaled)
+        moved = self._line(e1.moved_bytes, e2.moved_bytes, m) if profile.kind == "cuda" else 0.0
+        return accum * micro + rest + accum * moved / profile.link_bandwidth
+
+
+def _family_name(cfg: Config) -> str:
+    parts = [cfg.precision, f"checkpoint {cfg.checkpoint}"]
+    if cfg.offload_activations:
+        parts.append("activation offload")
+    if cfg.offload_optimizer:
+        parts.append("optimizer offload")
+    return ", ".join(parts)
+
+
+def _micro_batches(global_batch: int, fixed: int | None) -> list[int]:
+    if fixed is not None:
+        if fixed > global_batch:
+            raise ConfigError(f"micro_batch {fixed} is larger than the global batch {global_batch}")
+        return [fixed]
+    return [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+
+
+def plan(workload: Workload, global_batch: int, budget=None, device: str | Device = "cpu", *,
+         precision: str | None = None, micro_batch: int | None = None, checkpoint=None,
+         offload_activations: bool | None = None, offload_optimizer: bool | None = None,
+         profile: Profile | None = None, confirm: int = 2) -> Plan:
+    """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
+    "50%" of the device, or the whole device). Fixed choices are honoured; the rest is searched."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    if global_batch < 1:
+        raise ValueError(f"global batch must be >= 1, got {global_batch}")
+    budget_bytes = resolve_budget(budget, dev)
+    usable = int(budget_bytes * (1 - MARGIN))
+    cpu = dev.kind == "cpu"
+    profile = profile or profile_for(dev)
+    notes = [f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces"]
+
+    precisions = [precision] if precision else (["fp32", "bf16"] if cpu else ["bf16" if dev.bf16 else "fp16"])
+    if not precision and not cpu:
+        notes.append(f"fp32 not searched on a GPU: {precisions[0]} autocast is smaller and faster; fix it to force")
+    checkpoints = [checkpoint] if checkpoint is not None else ["none", "all", "selective"]
+    if cpu:
+        offloads = [(bool(offload_activations), bool(offload_optimizer))]
+        if offload_activations is None and offload_optimizer is None:
+            notes.append("offload not searched on a CPU device: host and device memory are one")
+    else:
+        acts = [offload_activations] if offload_activations is not None else [False, True]
+        opts = [offload_optimizer] if offload_optimizer is not None else [False, True]
+        offloads = [(a, o) for a in acts for o in opts]
+
+    families: dict[Config, _Family] = {}
+    verdicts: list[tuple[str, str]] = []
+    for p in precisions:
+        for ck in checkpoints:
+            for act, opt in offloads:
+                if act and ck not in ("none",) and checkpoint is None:
+                    continue  # offloading what checkpointing already dropped: traced only on its own
+                base = Config(micro_batch=max(PROBES), precision=p, checkpoint=ck,
+                              offload_activations=act, offload_optimizer=opt)
+                try:
+                    probes = _run_isolated(lambda: _traces(workload, base, dev, True, list(PROBES)))
+                except ConfigError as e:
+                    verdicts.append((_family_name(base), f"cannot apply: {e}"))
+                    continue
+                families[base] = _Family(base, probes)
+
+    candidates: list[Candidate] = []
+    smallest_need: dict[str, int] = {}
+    for base, fam in families.items():
+        name = _family_name(base)
+        for m in _micro_batches(global_batch, micro_batch):
+            accum = global_batch // m
+            need = fam.memory(m, accum, cpu)
+            smallest_need[name] = min(smallest_need.get(name, need), need)
+            if need <= usable:
+                cfg = fam.base.replace(micro_batch=m, grad_accum=accum)
+                candidates.append(Candidate(cfg, need, fam.seconds(profile, m, accum)))
+        # every k-th block: between "none" and "all", by the share of blocks checkpointed
+        none = families.get(base.replace(checkpoint="none"))
+        if base.checkpoint == "all" and none is not None and checkpoint is None:
+            candidates += _every_k(workload, none, fam, global_batch, micro_batch, usable, cpu, profile)
+
+    candidates.sort(key=lambda c: c.step_seconds)
+    confirmed: list[Candidate] = []
+    for cand in candidates:
+        if len(confirmed) >= confirm:
+            break
+        est = estimate(workload, cand.config, device=dev)
+        cand.peak_bytes, cand.confirmed = _used(est), True
+        cand.step_seconds = _confirmed_seconds(profile, est, cand)
+        if cand.peak_bytes <= usable:
+            confirmed.append(cand)
+            cand.estimate = est
+        else:
+            verdicts.append((_family_name(cand.config) + f", micro-batch {cand.config.micro_batch}",
+                             f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
+    if not confirmed:
+        need = min(smallest_need.values()) if smallest_need else None
+        hint = (f"the smallest configuration tried needs about {fmt_bytes(need / (1 - MARGIN))} of budget"
+                if need else "no family could be traced")
+        raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
+                        f"{global_batch}: {hint}; a shorter sequence or a larger world size would also help")
+    best = confirmed[0]
+    for base in families:
+        name = _family_name(base)
+        mine = [c for c in candidates if _family_name(c.config) == name]
+        if name == _family_name(best.config):
+            verdicts.insert(0, (name, f"chosen at micro-batch {best.config.micro_batch}"))
+        elif not mine:
+            over = smallest_need[name] - usable
+            verdicts.append((name, f"does not fit: over by {fmt_bytes(over)} even at micro-batch "
+                                   f"{min(_micro_batches(global_batch, micro_batch))}"))
+        else:
+            fastest = min(mine, key=lambda c: c.step_seconds)
+            verdicts.append((name, f"fits, {fastest.step_seconds / best.step_seconds:.2f}x slower "
+                                   f"(best at micro-batch {fastest.config.micro_batch})"))
+    if not any(v.startswith("chosen") for _, v in verdicts):
+        verdicts.insert(0, (_family_name(best.config), f"chosen at micro-batch {best.config.micro_batch}"))
+    alternatives = [c for c in candidates if c is not best][:5]
+    return Plan(config=best.config, device=dev.name, budget_bytes=budget_bytes, usable_bytes=usable,
+                peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
+                samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
+                alternatives=alternatives, families=verdicts, profile_source=profile.source, notes=notes)
+
+
+def _confirmed_seconds(profile: Profile, est: Estimate, cand: Candidate) -> float:
+    """The full estimate traces one whole step (all micro-steps), so its ops give the time directly."""
+    return step_seconds(profile, est)
+
+
+def _every_k(workload, none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, profile):
+    try:
+        with torch.device("meta"):
+            n = len(find_blocks(workload.model()))
+    except Exception:  # a model that cannot be built on meta: every-k is simply not offered
+        return []
+    out = []
+    for k in (2, 3, 4):
+        if k >= n:
+            continue
+        share = math.ceil(n / k) / n
+        for m in _micro_batches(global_batch, micro_batch):
+            accum = global_batch // m
+            need = int(none.memory(m, accum, cpu) + share * (full.memory(m, accum, cpu) - none.memory(m, accum, cpu)))
+            if need <= usable:
+                t = none.seconds(profile, m, accum)
+                t += share * (full.seconds(profile, m, accum) - t)
+                out.append(Candidate(full.base.replace(checkpoint=k, micro_batch=m, grad_accum=accum), need, t))
+    return out
+
+
+def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu", *, precision: str | None = None,
+                    micro_batch: int | None = None, checkpoint=None, offload_activations: bool | None = None,
+                    offload_optimizer: bool | None = None, limit: int = 1 << 16) -> dict:
+    """The largest micro-batch that fits with everything else fixed: the straight line through two probes
+    proposes it, full estimates confirm it and its successor."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    budget_bytes = resolve_budget(budget, dev)
+    usable = int(budget_bytes * (1 - MARGIN))
+    base = Config(micro_batch=max(PROBES), precision=precision or ("fp32" if dev.kind == "cpu" else "bf16"),
+                  checkpoint=checkpoint or "none", offload_activations=bool(offload_activations),
+                  offload_optimizer=bool(offload_optimizer))
+    fam = _Family(base, _run_isolated(lambda: _traces(workload, base, dev, True, list(PROBES))))
+    cpu = dev.kind == "cpu"
+    slope = fam.memory(2, 1, cpu) - fam.memory(1, 1, cpu)
+    guess = int((usable - fam.memory(1, 1, cpu)) / slope) + 1 if slope > 0 else limit
+    guess = max(1, min(limit, guess))
+
+    def fits(m: int) -> tuple[bool, int]:
+        used = _used(estimate(workload, base.replace(micro_batch=m), device=dev))
+        return used <= usable, used
+
+    ok, used = fits(guess)
+    if ok:  # gallop up until the first that does not fit
+        lo, lo_used, hi = guess, used, None
+        step = 1
+        while hi is None and lo < limit:
+            nxt = min(limit, lo + step)
+            ok, u = fits(nxt)
+            if ok:
+                lo, lo_used, step = nxt, u, step * 2
+            else:
+                hi = nxt
+        hi = hi or limit + 1
+    else:
+        lo, lo_used, hi = 0, None, guess
+    while hi - lo > 1:  # bisect between the last that fits and the first that does not
+        mid = (lo + hi) // 2
+        ok, u = fits(mid)
+        lo, lo_used, hi = (mid, u, hi) if ok else (lo, lo_used, mid)
+    if lo == 0:
+        raise PlanError(f"even micro-batch 1 does not fit in {fmt_bytes(budget_bytes)} on {dev.name} "
+                        f"with {_family_name(base)}: it needs {fmt_bytes(fits(1)[1])}")
+    return dict(config=base.replace(micro_batch=lo).to_dict(), micro_batch=lo, peak_bytes=lo_used,
+                budget_bytes=budget_bytes, usable_bytes=usable, device=dev.name, linear_guess=guess)

@@ -1,0 +1,54 @@
+"""`memfit plan --verify`: run the plan for a few real steps on the device and compare with the prediction."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from memfit.memory.tracker import LiveBytes
+from memfit.planner.search import Plan
+from memfit.runtime.trainer import Trainer
+from memfit.workload import Workload
+
+
+def verify(workload: Workload, plan: Plan, steps: int = 3) -> dict:
+    if plan.device != "cpu" and not plan.device.startswith("cuda"):
+        raise ValueError(f"--verify runs the plan here; this machine is not a {plan.device} "
+                         f"(plan for --device cpu or cuda to verify)")
+    device = "cpu" if plan.device == "cpu" else plan.device
+    trainer = Trainer(workload, plan.config, device=device)
+    trainer.step()  # first step: optimizer state, allocator warm-up
+    times, peak = [], 0
+    for _ in range(max(1, steps)):
+        if device == "cpu":
+            tracker = LiveBytes("cpu")
+            tracker.track(t for t in _owned(trainer))
+            start = time.perf_counter()
+            with tracker:
+                trainer.step()
+            times.append(time.perf_counter() - start)
+            tracker.close()
+            peak = max(peak, tracker.peak)
+        else:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            peak = max(peak, torch.cuda.max_memory_reserved())
+    measured = statistics.median(times)
+    return dict(predicted_peak_bytes=plan.peak_bytes, measured_peak_bytes=peak,
+                predicted_step_seconds=plan.step_seconds, measured_step_seconds=measured,
+                measured_samples_per_second=plan.config.global_batch / measured,
+                peak_method="live tensor bytes (CPU)" if device == "cpu" else "torch.cuda.max_memory_reserved")
+
+
+def _owned(trainer: Trainer):
+    engine = trainer.engine
+    yield from engine.model.parameters()
+    yield from engine.model.buffers()
+    yield from (p.grad for p in engine.model.parameters() if p.grad is not None)
+    for state in engine.optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
