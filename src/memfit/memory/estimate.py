@@ -16,6 +16,7 @@ import gc
 import os
 import pickle
 import signal
+import tempfile
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quie
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
+from memfit.strategies.checkpoint import find_blocks
 from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
@@ -61,6 +63,7 @@ class Estimate:
     host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
     phase_peaks: dict = dataclasses.field(default_factory=dict)  # phase -> highest live bytes in it
+    blocks: list = dataclasses.field(default_factory=list)       # the model's repeated blocks (checkpointing units)
     ops: dict = dataclasses.field(default_factory=dict)  # per-op "flops", "bytes", "kind": the step-time model's input
 
     @property
@@ -171,6 +174,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "kind": tracker.op_kind,
                "phase": tracker.op_phase}
     est.phase_peaks = dict(tracker.phase_peaks)
+    est.blocks = find_blocks(step.model)
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
     return est
@@ -350,34 +354,55 @@ def _free_host_bytes() -> int:
 
 def _run_isolated(fn: Callable[[], Estimate]) -> Estimate:
     """Run `fn` in a forked child and return its result; a crash of the child becomes an EstimateError."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read_fd)
-        torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
-        faulthandler.disable()  # a crash is reported by the parent, in one line
-        try:
-            result = ("ok", fn())
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            try:
-                pickle.dumps(e)
-                result = ("error", e)
-            except Exception:  # not picklable: keep its name and first line
-                result = ("error", EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
-        try:
-            with os.fdopen(write_fd, "wb") as f:
-                pickle.dump(result, f)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as f:
-        data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = signal.Signals(os.WTERMSIG(status)).name
-        hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""
-        raise EstimateError(f"PyTorch crashed with {sig}{hint} while tracing the training step")
-    kind, value = pickle.loads(data)
+    kind, value = run_isolated_many([fn], workers=1)[0]
     if kind == "error":
         raise value
     return value
+
+
+def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[tuple[str, object]]:
+    """Run each fn in its own forked child, `workers` at a time (fake tracing is single-threaded Python,
+    so children use the cores in parallel). Returns ("ok", result) or ("error", exception) per fn."""
+    workers = workers or os.cpu_count() or 1
+    results: list = [None] * len(fns)
+    running: dict[int, tuple[int, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="memfit-") as tmp:
+        pending = list(enumerate(fns))
+        while pending or running:
+            while pending and len(running) < workers:
+                i, fn = pending.pop(0)
+                path = os.path.join(tmp, f"{i}.pkl")
+                pid = os.fork()
+                if pid == 0:
+                    _child(fn, path)
+                running[pid] = (i, path)
+            pid, status = os.wait()
+            if pid not in running:
+                continue
+            i, path = running.pop(pid)
+            if os.WIFSIGNALED(status):
+                sig = signal.Signals(os.WTERMSIG(status)).name
+                hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""
+                results[i] = ("error", EstimateError(f"PyTorch crashed with {sig}{hint} while tracing the training step"))
+                continue
+            with open(path, "rb") as f:
+                results[i] = pickle.load(f)
+    return results
+
+
+def _child(fn: Callable, path: str) -> None:
+    torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
+    faulthandler.disable()  # a crash is reported by the parent, in one line
+    try:
+        result = ("ok", fn())
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            pickle.dumps(e)
+            result = ("error", e)
+        except Exception:  # not picklable: keep its name and first line
+            result = ("error", EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    try:
+        with open(path, "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        os._exit(0)

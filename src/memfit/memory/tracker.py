@@ -63,7 +63,7 @@ class LiveBytes(TorchDispatchMode):
         # one record per op for the step-time model: FLOPs, bytes read + written, matmul dtype, host side
         self.op_flops: list[int] = []
         self.op_bytes: list[int] = []
-        self.op_kind: list[str] = []  # "f32" | "lp" (bf16/fp16 compute) | "host" | "view"
+        self.op_kind: list[str] = []  # "f32" | "lp" (bf16/fp16) | "view" | "host" | "link" (host<->device copy)
         self.op_phase: list[str] = []
         self.phase_peaks: dict[str, int] = {}  # the highest live total seen in each phase
         self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
@@ -183,7 +183,8 @@ class LiveBytes(TorchDispatchMode):
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             moved = sum(t.numel() * t.element_size() for t in ins + outs)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
-            kind = "host" if on_host_side() else ("lp" if low else "f32")
+            host = on_host_side()
+            kind = ("link" if func is torch.ops.aten.copy_.default else "host") if host else ("lp" if low else "f32")
         self.op_flops.append(flops)
         self.op_bytes.append(moved)
         self.op_kind.append(kind)

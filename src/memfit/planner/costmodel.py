@@ -37,6 +37,8 @@ class Profile:
     def matmul_seconds(self, kind: str, flops: torch.Tensor) -> torch.Tensor:
         """Log-log interpolation of the measured curve; beyond its ends, the end rates."""
         pts = torch.tensor(self.matmul["lp" if kind == "lp" else "f32"], dtype=torch.float64)
+        if len(flops) == 0:
+            return flops
         lf, lt = pts[:, 0].log(), pts[:, 1].log()
         x = flops.clamp(min=1).log()
         i = torch.searchsorted(lf, x).clamp(1, len(lf) - 1)
@@ -46,43 +48,65 @@ class Profile:
         high = flops / (pts[-1, 0] / pts[-1, 1])
         return torch.where(x < lf[0], low, torch.where(x > lf[-1], high, inside))
 
-    def ops_seconds(self, flops: torch.Tensor, nbytes: torch.Tensor, kinds: list[str]) -> tuple[float, float]:
-        """(device seconds, host dispatch seconds) for a list of ops."""
-        kind = torch.tensor([{"f32": 0, "lp": 1, "view": 2}.get(k, 0) for k in kinds])
-        mem = nbytes / self.bandwidth
-        mm = torch.where(kind == 1, self.matmul_seconds("lp", flops), self.matmul_seconds("f32", flops))
-        dev = torch.where(kind == 2, torch.zeros_like(mem), torch.maximum(torch.where(flops > 0, mm, 0), mem))
-        return float(dev.sum()), len(kinds) * self.op_overhead
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def phase_seconds(profile: Profile, ops: dict, phases: tuple[str, ...], scale=None) -> float:
-    """Seconds of the ops in `phases`. `scale` optionally replaces (flops, bytes) per op (tensors)."""
-    idx = [i for i, p in enumerate(ops["phase"]) if p in phases]
-    if not idx:
-        return 0.0
-    flops, nbytes = scale if scale is not None else (torch.tensor(ops["flops"], dtype=torch.float64),
-                                                       torch.tensor(ops["bytes"], dtype=torch.float64))
-    sel = torch.tensor(idx)
-    flops, nbytes = flops[sel], nbytes[sel]
-    kinds = [ops["kind"][i] for i in idx]
-    host_mask = torch.tensor([k == "host" for k in kinds])
-    dev_idx = (~host_mask).nonzero().flatten()
-    d_dev, d_cpu = profile.ops_seconds(flops[dev_idx], nbytes[dev_idx], [kinds[i] for i in dev_idx.tolist()])
-    host = Profile(**profile.host) if profile.host else profile
-    h_idx = host_mask.nonzero().flatten()
-    h_dev, h_cpu = host.ops_seconds(flops[h_idx], nbytes[h_idx], ["f32"] * len(h_idx))
-    device = max(d_dev, d_cpu) if profile.kind == "cuda" else d_dev + d_cpu
-    return device + h_dev + h_cpu
+KINDS = {"f32": 0, "lp": 1, "view": 2, "host": 3, "link": 4}
+PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
-def step_seconds(profile: Profile, estimate) -> float:
-    """Predicted wall time of the traced step."""
-    t = phase_seconds(profile, estimate.ops, ("forward", "backward", "optimizer", "setup"))
+class OpTable:
+    """An estimate's per-op records as tensors, built once: the planner prices them many times."""
+
+    def __init__(self, ops: dict):
+        self.flops = torch.tensor(ops["flops"], dtype=torch.float64)
+        self.bytes = torch.tensor(ops["bytes"], dtype=torch.float64)
+        self.kind = torch.tensor([KINDS[k] for k in ops["kind"]], dtype=torch.int8)
+        self.phase = torch.tensor([PHASES[p] for p in ops["phase"]], dtype=torch.int8)
+
+    def mask(self, phases: tuple[str, ...]) -> torch.Tensor:
+        m = torch.zeros_like(self.phase, dtype=torch.bool)
+        for p in phases:
+            m |= self.phase == PHASES[p]
+        return m
+
+
+def _device_seconds(profile: Profile, flops, nbytes, kind) -> torch.Tensor:
+    busy = nbytes / profile.bandwidth
+    for name in ("f32", "lp"):  # only ops that do FLOPs consult the matmul curve
+        sel = ((kind == KINDS[name]) & (flops > 0)).nonzero().flatten()
+        if len(sel):
+            busy[sel] = torch.maximum(busy[sel], profile.matmul_seconds(name, flops[sel]))
+    return torch.where(kind == KINDS["view"], torch.zeros_like(busy), busy)
+
+
+def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flops=None, nbytes=None) -> float:
+    """Seconds of the ops in `phases`; `flops` / `nbytes` optionally replace the table's (scaled probes).
+    Host-side ops (offloaded optimizer) run at the host's rates; host<->device copies are priced by the
+    link, from the moved bytes, not here."""
+    flops = table.flops if flops is None else flops
+    nbytes = table.bytes if nbytes is None else nbytes
+    sel = table.mask(phases)
+    dev = sel & (table.kind <= KINDS["view"])
+    host = sel & (table.kind == KINDS["host"])
+    busy = float(_device_seconds(profile, flops[dev], nbytes[dev], table.kind[dev]).sum())
+    dispatch = int(dev.sum()) * profile.op_overhead
+    device = max(busy, dispatch) if profile.kind == "cuda" else busy + dispatch
+    hp = Profile(**profile.host) if profile.host else profile
+    f32 = torch.zeros(int(host.sum()), dtype=torch.int8)
+    host_s = float(_device_seconds(hp, flops[host], nbytes[host], f32).sum()) + int(host.sum()) * hp.op_overhead
+    return device + host_s
+
+
+def step_seconds(profile: Profile, estimate, micro_steps: float = 1.0) -> float:
+    """Predicted wall time of the traced step; `micro_steps` scales its forward/backward part (a trace of
+    two micro-steps stands for an accumulation of many)."""
+    table = OpTable(estimate.ops)
+    t = micro_steps * phase_seconds(profile, table, ("forward", "backward"))
+    t += phase_seconds(profile, table, ("optimizer", "setup"))
     if profile.kind == "cuda" and estimate.moved_bytes:
-        t += estimate.moved_bytes / profile.link_bandwidth
+        t += micro_steps * estimate.moved_bytes / profile.link_bandwidth
     return t
 
 
@@ -136,7 +160,14 @@ def calibrate(device: str = "cpu") -> Profile:
                    bandwidth=bandwidth, op_overhead=overhead, link_bandwidth=link, host=host)
 
 
-def catalogue_profile(dev: Device, host: Profile | None) -> Profile:
+# A GPU server's host, for offloaded work when the GPU is only a catalogue entry (this machine's CPU is
+# not the one that will drive it): ~100 GB/s of memory bandwidth reached by streaming ops, ~1 TFLOP/s.
+SERVER_HOST = Profile(device="GPU server host (assumed)", kind="cpu", source="assumed figures",
+                      matmul={"f32": [[1e6, 1e-5], [1e12, 1.0]], "lp": [[1e6, 1e-5], [1e12, 1.0]]},
+                      bandwidth=100e9, op_overhead=10e-6, link_bandwidth=math.inf)
+
+
+def catalogue_profile(dev: Device, host: Profile | None = None) -> Profile:
     """A GPU we cannot measure: its data-sheet peaks at 70% for matmuls (large ones reach 60-80% in
     practice) and 80% of its memory bandwidth, plus 10 us of host dispatch per op. Uncalibrated."""
     curves = {}
@@ -146,7 +177,7 @@ def catalogue_profile(dev: Device, host: Profile | None) -> Profile:
         curves[kind] = [[f, 5e-6 + f / (0.7 * rate)] for f in (1e6, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13)]
     return Profile(device=dev.name, kind="cuda", source="catalogue figures, not calibrated", matmul=curves,
                    bandwidth=0.8 * (dev.memory_bandwidth or 1e12), op_overhead=10e-6,
-                   link_bandwidth=dev.host_bandwidth or 12e9, host=host.to_dict() if host else None)
+                   link_bandwidth=dev.host_bandwidth or 12e9, host=(host or SERVER_HOST).to_dict())
 
 
 def _cache_dir() -> Path:
@@ -177,8 +208,8 @@ def load_profile(key: str) -> Profile | None:
 
 
 def profile_for(dev: Device) -> Profile:
-    """The CPU and a present GPU are measured (once, then cached); a catalogue GPU uses its data sheet,
-    with this machine's CPU as its host."""
+    """The CPU and a present GPU are measured (once, then cached); a catalogue GPU uses its data sheet and
+    an assumed server host."""
     if dev.kind == "cpu" or dev.name.startswith("cuda"):
         key = "cpu" if dev.kind == "cpu" else dev.name
         profile = load_profile(key)
@@ -186,12 +217,4 @@ def profile_for(dev: Device) -> Profile:
             profile = calibrate("cpu" if dev.kind == "cpu" else "cuda")
             save_profile(profile, key)
         return profile
-    return catalogue_profile(dev, profile_for_cpu())
-
-
-def profile_for_cpu() -> Profile:
-    profile = load_profile("cpu")
-    if profile is None:
-        profile = calibrate("cpu")
-        save_profile(profile, "cpu")
-    return profile
+    return catalogue_profile(dev)

@@ -9,15 +9,14 @@ confirmed by a full estimate before one is chosen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-import torch
 
 from memfit.config import Config, ConfigError
 from memfit.memory.devices import Device, get_device
-from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate
-from memfit.planner.costmodel import Profile, phase_seconds, profile_for, step_seconds
-from memfit.strategies.checkpoint import find_blocks
+from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate, run_isolated_many
+from memfit.planner.costmodel import OpTable, Profile, phase_seconds, profile_for, step_seconds
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
 
@@ -84,6 +83,7 @@ class _Family:
     """Two probes of one family, and what they predict at any micro-batch."""
     base: Config
     probes: list  # [Estimate at PROBES[0], Estimate at PROBES[1]]
+    _tables: tuple | None = None
 
     def _line(self, a: float, b: float, m: int) -> float:
         m1, m2 = PROBES
@@ -108,11 +108,13 @@ class _Family:
         if len(e1.ops["flops"]) != len(e2.ops["flops"]):  # op lists differ (data-dependent): scale totals
             t1, t2 = step_seconds(profile, e1), step_seconds(profile, e2)
             return accum * self._line(t1, t2, m)
-        f1, f2 = (torch.tensor(e.ops["flops"], dtype=torch.float64) for e in (e1, e2))
-        b1, b2 = (torch.tensor(e.ops["bytes"], dtype=torch.float64) for e in (e1, e2))
-        scaled = (self._line(f1, f2, m).clamp(min=0), self._line(b1, b2, m).clamp(min=0))
-        micro = phase_seconds(profile, e2.ops, ("forward", "backward"), scaled)
-        rest = phase_seconds(profile, e2.ops, ("optimizer", "setup"), scaled)
+        if self._tables is None:
+            self._tables = (OpTable(e1.ops), OpTable(e2.ops))
+        t1, t2 = self._tables
+        flops = self._line(t1.flops, t2.flops, m).clamp(min=0)
+        nbytes = self._line(t1.bytes, t2.bytes, m).clamp(min=0)
+        micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes)
+        rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes)
         moved = self._line(e1.moved_bytes, e2.moved_bytes, m) if profile.kind == "cuda" else 0.0
         return accum * micro + rest + accum * moved / profile.link_bandwidth
 
@@ -162,21 +164,21 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         opts = [offload_optimizer] if offload_optimizer is not None else [False, True]
         offloads = [(a, o) for a in acts for o in opts]
 
+    bases = [Config(micro_batch=max(PROBES), precision=p, checkpoint=ck, offload_activations=act,
+                    offload_optimizer=opt)
+             for p in precisions for ck in checkpoints for act, opt in offloads
+             # offloading what checkpointing already dropped is traced only when asked for
+             if not (act and ck != "none" and checkpoint is None)]
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
-    for p in precisions:
-        for ck in checkpoints:
-            for act, opt in offloads:
-                if act and ck not in ("none",) and checkpoint is None:
-                    continue  # offloading what checkpointing already dropped: traced only on its own
-                base = Config(micro_batch=max(PROBES), precision=p, checkpoint=ck,
-                              offload_activations=act, offload_optimizer=opt)
-                try:
-                    probes = _run_isolated(lambda: _traces(workload, base, dev, True, list(PROBES)))
-                except ConfigError as e:
-                    verdicts.append((_family_name(base), f"cannot apply: {e}"))
-                    continue
-                families[base] = _Family(base, probes)
+    traced = run_isolated_many([functools.partial(_traces, workload, b, dev, True, list(PROBES)) for b in bases])
+    for base, (kind, value) in zip(bases, traced):
+        if kind == "ok":
+            families[base] = _Family(base, value)
+        elif isinstance(value, ConfigError):
+            verdicts.append((_family_name(base), f"cannot apply: {value}"))
+        else:
+            raise value
 
     candidates: list[Candidate] = []
     smallest_need: dict[str, int] = {}
@@ -192,22 +194,25 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
         none = families.get(base.replace(checkpoint="none"))
         if base.checkpoint == "all" and none is not None and checkpoint is None:
-            candidates += _every_k(workload, none, fam, global_batch, micro_batch, usable, cpu, profile)
+            candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, profile)
 
     candidates.sort(key=lambda c: c.step_seconds)
     confirmed: list[Candidate] = []
-    for cand in candidates:
-        if len(confirmed) >= confirm:
-            break
-        est = estimate(workload, cand.config, device=dev)
-        cand.peak_bytes, cand.confirmed = _used(est), True
-        cand.step_seconds = _confirmed_seconds(profile, est, cand)
-        if cand.peak_bytes <= usable:
-            confirmed.append(cand)
-            cand.estimate = est
-        else:
-            verdicts.append((_family_name(cand.config) + f", micro-batch {cand.config.micro_batch}",
-                             f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
+    queue = list(candidates)
+    while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
+        batch, queue = queue[:confirm], queue[confirm:]
+        results = run_isolated_many([functools.partial(_confirm, workload, c.config, dev) for c in batch])
+        for cand, (kind, est) in zip(batch, results):
+            if kind != "ok":
+                raise est
+            cand.peak_bytes, cand.confirmed, cand.estimate = _used(est), True, est
+            cand.step_seconds = step_seconds(profile, est, cand.config.grad_accum / min(cand.config.grad_accum, 2))
+            if cand.peak_bytes <= usable:
+                confirmed.append(cand)
+            else:
+                verdicts.append((_family_name(cand.config) + f", micro-batch {cand.config.micro_batch}",
+                                 f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
+        confirmed.sort(key=lambda c: c.step_seconds)
     if not confirmed:
         need = min(smallest_need.values()) if smallest_need else None
         hint = (f"the smallest configuration tried needs about {fmt_bytes(need / (1 - MARGIN))} of budget"
@@ -237,22 +242,30 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 alternatives=alternatives, families=verdicts, profile_source=profile.source, notes=notes)
 
 
-def _confirmed_seconds(profile: Profile, est: Estimate, cand: Candidate) -> float:
-    """The full estimate traces one whole step (all micro-steps), so its ops give the time directly."""
-    return step_seconds(profile, est)
+def _confirm(workload: Workload, config: Config, dev: Device) -> Estimate:
+    """A full estimate, with a long accumulation traced as two micro-steps: from the second on, every
+    micro-step is the same. On a CPU the rest of the global batch is added as inputs, live all step."""
+    accum = config.grad_accum
+    if accum <= 2:
+        return estimate(workload, config, dev, isolate=False)
+    est = estimate(workload, config.replace(grad_accum=2), dev, isolate=False)
+    if dev.kind == "cpu":
+        extra = est.breakdown["inputs"] * (accum - 2) // 2
+        est.peak_bytes += extra
+        est.breakdown["inputs"] += extra
+    est.config = config.to_dict()
+    est.notes.append(f"accumulation over {accum} micro-steps traced as 2; later micro-steps repeat the second")
+    return est
 
 
-def _every_k(workload, none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, profile):
-    try:
-        with torch.device("meta"):
-            n = len(find_blocks(workload.model()))
-    except Exception:  # a model that cannot be built on meta: every-k is simply not offered
-        return []
-    out = []
+def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, profile):
+    n = len(full.probes[0].blocks)
+    out, shares = [], set()
     for k in (2, 3, 4):
-        if k >= n:
-            continue
         share = math.ceil(n / k) / n
+        if k >= n or share in shares:
+            continue
+        shares.add(share)
         for m in _micro_batches(global_batch, micro_batch):
             accum = global_batch // m
             need = int(none.memory(m, accum, cpu) + share * (full.memory(m, accum, cpu) - none.memory(m, accum, cpu)))
