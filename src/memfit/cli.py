@@ -154,6 +154,38 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from rich.console import Console
+
+    from memfit.runtime.run import train
+    from memfit.workload import load_workload
+
+    workload = load_workload(args.workload, **_options(args))
+    console = Console()
+    result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
+                   micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
+                   checkpoint_every=args.checkpoint_every, resume=args.resume, schedule=args.schedule,
+                   progress=not args.no_progress, console=console)
+    from memfit.report.tables import run_view
+    console.print(run_view(result))
+    if workload.name == "sort":
+        from memfit.workloads.demo import show
+        for given, answer, truth in show(result_model(result, workload)):
+            mark = "[green]✓[/]" if answer == truth else "[red]✗[/]"
+            console.print(f"  sort {given} → {answer} {mark}")
+    return 0
+
+
+def result_model(result, workload):
+    """The trained model, rebuilt from the run's final weights (the run itself keeps no state around)."""
+    from safetensors.torch import load_file
+
+    from memfit.runtime.checkpoints import load_model_state
+    model = workload.model()
+    load_model_state(model, load_file(str(result.out / "model.safetensors")))
+    return model.eval()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -181,6 +213,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-steps", type=int, default=3)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("train", help="run training: plan, recover from OOM, checkpoint, resume, report")
+    p.add_argument("workload", nargs="?", default="sort",
+                   help="as for estimate; default: a small GPT learning to sort digits")
+    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--budget", help="memory budget (on a CPU: a virtual device of that size)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--micro-batch", type=int, help="start from this micro-batch instead of planning")
+    p.add_argument("--precision", choices=PRECISIONS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="run folder (default: a new one under ./runs/)")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "onecycle", "constant"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

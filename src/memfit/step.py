@@ -44,6 +44,7 @@ class TrainStep:
         self.on_phase = on_phase or (lambda phase: None)
         self.move = move
         self.tracing = False  # True under fake tensors: no data-dependent control flow (`.item()`)
+        self.phase = "idle"  # where the current step is: forward | backward | optimizer (OOM recovery asks)
         self.skipped_steps = 0  # fp16 steps dropped because the gradients overflowed
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -59,19 +60,24 @@ class TrainStep:
         for micro in split_batch(batch, cfg.micro_batch):
             micro = cast_inputs(self.move(micro, self.device), cfg)
             weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
-            self.on_phase("forward")
+            self._enter("forward")
             with autocast_context(cfg, self.device), self._offload_hooks():
                 loss = self.workload.loss(model, micro)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("workload.loss(model, batch) must return a scalar tensor")
-            self.on_phase("backward")
+            self._enter("backward")
             scaled = loss.float() * weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().float() * weight
             del micro, loss, scaled
-        self.on_phase("optimizer")
+        self._enter("optimizer")
         self._optimizer_step()
+        self.phase = "idle"
         return loss_sum
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        self.on_phase(phase)
 
     def prime(self) -> None:
         """Leave behind what a first step leaves (optimizer state, loss scale, gradients) without a forward

@@ -40,10 +40,12 @@ class LiveBytes(TorchDispatchMode):
     True when a GPU step is traced on the CPU; on a CPU device host and device memory are one.
     """
 
-    def __init__(self, device_type: str = "cpu", budget: int | None = None, host_apart: bool = False):
+    def __init__(self, device_type: str = "cpu", budget: int | None = None, host_apart: bool = False,
+                 detail: bool = True):
         super().__init__()
         self.device_type = device_type
         self.budget = budget
+        self.detail = detail  # False: live bytes and peak only (a run's budget, steps without end)
         self.host_apart = host_apart
         self.host_live: dict[int, int] = {}  # host-side storages when host_apart
         self.host_current = self.host_peak = 0
@@ -119,14 +121,15 @@ class LiveBytes(TorchDispatchMode):
                 f"memfit virtual budget: allocating {nbytes} bytes with {self.current} live "
                 f"exceeds {self.budget} bytes (op {op})"
             )
-        module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
         key = self._next_uid
         self._next_uid += 1
         self._uids[address] = key
         self.live[key] = nbytes
-        self.infos[key] = StorageInfo(nbytes, op, module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                                      self.phase, category)
-        self.events.append((key, nbytes))
+        if self.detail:
+            module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
+            self.infos[key] = StorageInfo(nbytes, op, module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                          self.phase, category)
+            self.events.append((key, nbytes))
         self.current += nbytes
         if self.current > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.current
@@ -145,7 +148,8 @@ class LiveBytes(TorchDispatchMode):
             return
         del self._uids[address]
         nbytes = self.live.pop(key)
-        self.events.append((key, -nbytes))
+        if self.detail:
+            self.events.append((key, -nbytes))
         self.current -= nbytes
 
     def live_at_peak(self) -> dict[int, int]:
@@ -160,7 +164,11 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
-        if self._active:
+        if self._active and not self.detail:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._add(t, "")
+        elif self._active:
             flops = op_flops(func, args, kwargs, out)
             if flops:
                 module = self.module_stack[-1] if self.module_stack else f"({self.phase})"

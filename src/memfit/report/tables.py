@@ -142,3 +142,23 @@ def max_batch_view(r: dict) -> Text:
                          ("largest micro-batch that fits: ", "bold"), (str(r["micro_batch"]), "bold cyan"),
                          f" (peak {fmt_bytes(r['peak_bytes'])} of usable {fmt_bytes(r['usable_bytes'])}; "
                          f"budget {fmt_bytes(r['budget_bytes'])})")
+
+
+def run_view(result) -> Group:
+    r = result.report
+    table = Table(title=f"run finished: {result.steps} steps · {_config_line(r['config'])} · {result.out}",
+                  title_justify="left")
+    for col in ("", "predicted", "measured"):
+        table.add_column(col, justify="right" if col else "left")
+    fmt_b = lambda v: fmt_bytes(v) if v is not None else "-"  # noqa: E731
+    fmt_s = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"  # noqa: E731
+    table.add_row("peak memory", fmt_b(r["predicted_peak_bytes"]), fmt_b(r["measured_peak_bytes"]))
+    table.add_row("step time", fmt_s(r["predicted_step_seconds"]), fmt_s(r["measured_step_seconds"]))
+    table.add_row("samples/s", "", f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-")
+    losses = [m["loss"] for m in result.metrics if "loss" in m]
+    lines = [table]
+    if losses:
+        lines.append(Text(f"loss {losses[0]:.4f} → {losses[-1]:.4f}"
+                          + (f" · {r['oom_recoveries']} OOM recoveries" if r["oom_recoveries"] else "")))
+    lines.append(Text(f"files: {result.out}/metrics.jsonl, loss.png, memory.png, model.safetensors", style="dim"))
+    return Group(*lines)

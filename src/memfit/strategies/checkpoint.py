@@ -81,6 +81,12 @@ def _checkpointed(forward, selective: bool, *args, **kwargs):
 
 
 def apply_checkpointing(model: torch.nn.Module, names: list[str], selective: bool) -> torch.nn.Module:
+    """Wrap the named blocks' forwards; wrappers from an earlier call are removed first, so a run can
+    change its checkpointing (OOM recovery) without nesting them."""
+    for mod in model.modules():
+        fwd = vars(mod).get("forward")
+        if isinstance(fwd, functools.partial) and fwd.func is _checkpointed:
+            del mod.forward
     modules = dict(model.named_modules())
     for name in names:
         mod = modules[name]

@@ -10,6 +10,7 @@ import inspect
 from typing import Callable
 
 from memfit.workload import Workload, WorkloadError
+from memfit.workloads import demo as _demo
 from memfit.workloads import gpt as _gpt
 from memfit.workloads import vision as _vision
 
@@ -19,6 +20,7 @@ _FACTORIES: dict[str, Callable[..., Workload]] = {
     "resnet-tiny": functools.partial(_vision.resnet, "resnet-tiny"),
     "mlp": functools.partial(_vision.mlp, "mlp"),
     "mlp-tiny": functools.partial(_vision.mlp, "mlp-tiny"),
+    "sort": _demo.sort_task,
 }
 
 BUILTIN_NAMES: tuple[str, ...] = (*_FACTORIES, "hf:<model_type|config.json>")
