@@ -6,20 +6,25 @@ TORCH_SPEC ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
 
+# The main job: `memfit train` on its built-in default (a small GPT learning to sort digits, on the CPU).
 demo: $(VENV)/.installed
-	$(VENV)/bin/memfit estimate gpt-7b --micro-batch 1 --seq 4096 --precision bf16 --device a100-80gb
+	$(VENV)/bin/memfit train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/estimate_accuracy.py
+	$(PY) benchmarks/estimate_7b.py
+	$(PY) benchmarks/checkpoint_tradeoff.py
+	$(PY) benchmarks/plan_7b.py
+	$(PY) benchmarks/planner_cpu.py
+	$(PY) benchmarks/loop_overhead.py
 
 .PHONY: install demo test bench
