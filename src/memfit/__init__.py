@@ -1,13 +1,15 @@
 """memfit: fit a PyTorch training run into the memory you have, and run it as fast as that memory allows.
 
-Public API: Workload, Config, estimate, Trainer (and the `memfit` command).
+Public API: Workload, Config, estimate, plan, Trainer, train (and the `memfit` command).
 """
 from memfit.config import Config, ConfigError
 from memfit.memory.estimate import Estimate, EstimateError, estimate
+from memfit.planner.search import Plan, PlanError, plan
+from memfit.runtime.run import RunError, train
 from memfit.runtime.trainer import Trainer
 from memfit.step import TrainStep
 from memfit.workload import Workload, WorkloadError, load_workload
 
-__all__ = ["Config", "ConfigError", "Estimate", "EstimateError", "TrainStep", "Trainer", "Workload", "WorkloadError", "estimate",
+__all__ = ["Plan", "PlanError", "RunError", "plan", "train", "Config", "ConfigError", "Estimate", "EstimateError", "TrainStep", "Trainer", "Workload", "WorkloadError", "estimate",
            "load_workload"]
 __version__ = "0.1.0"

@@ -1,0 +1,101 @@
+"""The planner: budgets, fixed choices, fit confirmed by full estimates, the max-micro-batch question,
+and the step-time model's basic orderings."""
+import json
+
+import pytest
+
+import memfit
+from memfit import Config
+from memfit.cli import main
+from memfit.memory.devices import get_device
+from memfit.planner.costmodel import Profile, catalogue_profile, step_seconds
+from memfit.planner.search import MARGIN, PlanError, max_micro_batch, plan, resolve_budget
+from memfit.workloads import builtin
+
+# a fixed machine so that rankings in these tests do not depend on the host they run on
+FLAT = Profile(device="test", kind="cpu", source="fixed test figures",
+               matmul={"f32": [[1e6, 1e-5], [1e12, 10.0]], "lp": [[1e6, 2e-5], [1e12, 20.0]]},
+               bandwidth=20e9, op_overhead=5e-6, link_bandwidth=float("inf"))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return builtin("gpt-tiny", layers=4)
+
+
+def test_budgets_are_sizes_shares_or_the_whole_device():
+    h100 = get_device("h100")
+    assert resolve_budget(None, h100) == h100.memory_bytes
+    assert resolve_budget("50%", h100) == h100.memory_bytes // 2
+    assert resolve_budget("2GiB", h100) == 2 * 2**30
+    assert resolve_budget(123456, h100) == 123456
+    with pytest.raises(ValueError):
+        resolve_budget("150%", h100)
+
+
+def test_the_plan_fits_its_budget_by_a_full_estimate(gpt):
+    none = memfit.estimate(gpt, Config(micro_batch=16))
+    budget = int(0.6 * none.peak_bytes)
+    p = plan(gpt, 16, budget=budget, profile=FLAT)
+    assert p.config.global_batch == 16
+    assert p.usable_bytes == int(budget * (1 - MARGIN))
+    confirmed = memfit.estimate(gpt, p.config)
+    assert confirmed.peak_bytes <= p.usable_bytes
+    assert p.peak_bytes == confirmed.peak_bytes or p.config.grad_accum > 2
+    assert p.families and p.families[0][1].startswith("chosen")
+    assert all(a.step_seconds >= p.step_seconds * 0.999 for a in p.alternatives if a.confirmed)
+
+
+def test_fixed_choices_are_honoured(gpt):
+    p = plan(gpt, 8, budget="1GiB", precision="bf16", micro_batch=2, profile=FLAT)
+    assert (p.config.precision, p.config.micro_batch, p.config.grad_accum) == ("bf16", 2, 4)
+
+
+def test_an_impossible_budget_says_what_it_would_take(gpt):
+    with pytest.raises(PlanError, match="nothing fits .* needs about"):
+        plan(gpt, 8, budget="100KiB", profile=FLAT)
+
+
+def test_the_largest_micro_batch_fits_and_the_next_does_not(gpt):
+    budget = memfit.estimate(gpt, Config(micro_batch=6)).peak_bytes / (1 - MARGIN) + 1
+    r = max_micro_batch(gpt, budget=int(budget))
+    m = r["micro_batch"]
+    usable = r["usable_bytes"]
+    assert memfit.estimate(gpt, Config(micro_batch=m)).peak_bytes <= usable
+    assert memfit.estimate(gpt, Config(micro_batch=m + 1)).peak_bytes > usable
+    assert m == 6
+
+
+def test_step_time_model_orders_the_obvious_cases(gpt):
+    plain = memfit.estimate(gpt, Config(micro_batch=8))
+    ck = memfit.estimate(gpt, Config(micro_batch=8, checkpoint="all"))
+    accum = memfit.estimate(gpt, Config(micro_batch=1, grad_accum=8))
+    t_plain, t_ck, t_accum = (step_seconds(FLAT, e) for e in (plain, ck, accum))
+    assert t_plain < t_ck  # recomputation costs time
+    assert t_plain < t_accum  # eight small micro-steps pay eight times the per-op overhead
+    # on a GPU the same ops are faster, and the host link prices offloaded bytes
+    h100 = catalogue_profile(get_device("h100"))
+    assert step_seconds(h100, plain) < t_plain
+    off = memfit.estimate(gpt, Config(micro_batch=8, offload_optimizer=True), device="h100")
+    assert off.moved_bytes > 0
+
+
+def test_gpu_plans_search_offload_and_not_fp32(gpt):
+    p = plan(gpt, 8, device="h100", budget="1GiB")
+    assert p.config.precision == "bf16"
+    assert any("fp32 not searched" in n for n in p.notes)
+    names = {f for f, _ in p.families}
+    assert any("optimizer offload" in n for n in names)
+    assert p.profile_source.startswith("catalogue")
+
+
+def test_cli_plan_json_and_errors(capfd, gpt):
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "1GiB", "--json"]) == 0
+    out = json.loads(capfd.readouterr().out)
+    assert out["config"]["micro_batch"] * out["config"]["grad_accum"] == 8
+    assert out["peak_bytes"] <= out["usable_bytes"]
+    assert main(["plan", "gpt-tiny", "--budget", "1GiB"]) == 2
+    assert "needs --global-batch" in capfd.readouterr().err
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "10KiB"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error: nothing fits")
