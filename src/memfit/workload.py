@@ -26,6 +26,9 @@ class Workload:
     batch      n -> a batch of n samples (tensor / tuple / list / dict of tensors, samples on dim 0).
     loss       (model, batch) -> scalar loss, mean-reduced over the samples of the batch.
     optimizer  params -> torch.optim.Optimizer.
+    data       optional map-style `torch.utils.data.Dataset`: a run then draws its global batches from it
+               (a seeded shuffle per epoch, items collated with torch's default_collate) instead of `batch`;
+               `batch` still describes a batch's shape to the estimator.
     """
 
     model: Callable[[], torch.nn.Module]
@@ -35,6 +38,7 @@ class Workload:
         lambda params: torch.optim.AdamW(params, lr=1e-3)
     )
     name: str = "workload"
+    data: Any = None
 
 
 # ---------------------------------------------------------------------------------------------- batches

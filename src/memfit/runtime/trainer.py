@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.data import default_collate
 
 from memfit.config import Config
 from memfit.step import TrainStep
@@ -13,6 +14,21 @@ from memfit.workload import Batch, Workload
 def data_seed(seed: int, step: int) -> int:
     """The global batch of step `step` depends on (seed, step) only, so a resumed run sees the same data."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def dataset_batch(data, seed: int, step: int, global_batch: int) -> Batch:
+    """Samples [step * G, (step + 1) * G) of an endless stream that visits the dataset in a new seeded order
+    each epoch. The position is a function of the step, so resuming needs nothing but the step number."""
+    n = len(data)
+    if n == 0:
+        raise ValueError("workload.data is empty")
+    indices, orders, start = [], {}, step * global_batch
+    for position in range(start, start + global_batch):
+        epoch, offset = divmod(position, n)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(data_seed(seed, -1 - epoch)))
+        indices.append(int(orders[epoch][offset]))
+    return default_collate([data[i] for i in indices])
 
 
 class Trainer:
@@ -56,6 +72,8 @@ class Trainer:
 
     def batch(self, step: int | None = None) -> Batch:
         step = self.step_count if step is None else step
+        if self.workload.data is not None:
+            return dataset_batch(self.workload.data, self.seed, step, self.global_batch)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(data_seed(self.seed, step))
             return self.workload.batch(self.global_batch)
