@@ -105,6 +105,17 @@ class TrainStep:
         """Bytes copied between host and device by offloading during the last step."""
         return sum(o.moved_bytes for o in (self.activation_offload, self.optimizer_offload) if o is not None)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Everything the step keeps between steps: parameters, buffers, gradients, optimizer and loss-scale
+        state, offloaded masters. A live-bytes counter started between steps begins from these."""
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        out += [p.grad for p in self.model.parameters() if p.grad is not None] + self.host_tensors()
+        for state in self.optimizer.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        if self.scaler is not None and self.scaler._scale is not None:
+            out += [self.scaler._scale, self.scaler._growth_tracker]
+        return out
+
     def host_tensors(self) -> list[torch.Tensor]:
         return self.optimizer_offload.host_tensors() if self.optimizer_offload else []
 

@@ -203,12 +203,7 @@ def _preexisting(step: TrainStep, mode) -> list[torch.Tensor]:
     keeps in a plain attribute too); on real ones, what the step owns."""
     if mode is not None:
         return [o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode]
-    owned = list(step.model.parameters()) + list(step.model.buffers())
-    owned += [p.grad for p in step.model.parameters() if p.grad is not None] + step.host_tensors()
-    owned += [t for s in step.optimizer.state.values() for t in tensors_of(dict(s))]
-    if step.scaler is not None and step.scaler._scale is not None:
-        owned += [step.scaler._scale, step.scaler._growth_tracker]
-    return owned
+    return step.state_tensors()
 
 
 def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, str]:

@@ -23,7 +23,7 @@ def verify(workload: Workload, plan: Plan, steps: int = 3) -> dict:
     for _ in range(max(1, steps)):
         if device == "cpu":
             tracker = LiveBytes("cpu")
-            tracker.track(t for t in _owned(trainer))
+            tracker.track(trainer.engine.state_tensors())
             start = time.perf_counter()
             with tracker:
                 trainer.step()
@@ -43,12 +43,3 @@ def verify(workload: Workload, plan: Plan, steps: int = 3) -> dict:
                 predicted_step_seconds=plan.step_seconds, measured_step_seconds=measured,
                 measured_samples_per_second=plan.config.global_batch / measured,
                 peak_method="live tensor bytes (CPU)" if device == "cpu" else "torch.cuda.max_memory_reserved")
-
-
-def _owned(trainer: Trainer):
-    engine = trainer.engine
-    yield from engine.model.parameters()
-    yield from engine.model.buffers()
-    yield from (p.grad for p in engine.model.parameters() if p.grad is not None)
-    for state in engine.optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))

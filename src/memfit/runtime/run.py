@@ -11,6 +11,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -122,24 +123,34 @@ class _Run:
         ckpt.restore(state, model=e.model, optimizer=e.optimizer, scaler=e.scaler, scheduler=self.scheduler,
                      optimizer_offload=e.optimizer_offload)
         self.trainer.step_count = state["step"]
+        self._forget_metrics_from(state["step"])
         self._log_event(state["step"], f"resumed from {path.name}")
         return state["step"]
 
-    # -------------------------------------------------------------------------------- one step
-    def _owned(self):
-        e = self.trainer.engine
-        yield from e.model.parameters()
-        yield from e.model.buffers()
-        yield from (p.grad for p in e.model.parameters() if p.grad is not None)
-        for st in e.optimizer.state.values():
-            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+    def _forget_metrics_from(self, step: int) -> None:
+        """A killed run may have logged steps after its last checkpoint; they are run again now, so their old
+        records go (one record per step). A line cut short by the kill goes too. Rewritten atomically."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not ("loss" in rec and rec.get("step", -1) >= step):
+                kept.append(line + "\n")
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.metrics_path)
 
+    # -------------------------------------------------------------------------------- one step
     def _measured_step(self, batch, measure: bool) -> tuple[float, int | None]:
         """One step; its peak is measured on a GPU, and on a CPU under a budget or when `measure` (a live-bytes
         counter costs a few microseconds an op, so a CPU run without a budget measures only its first steps)."""
         tracker = self.tracker or (LiveBytes("cpu", detail=False) if measure and self.device == "cpu" else None)
         if tracker is not None:
-            tracker.track(self._owned())
+            tracker.track(self.trainer.engine.state_tensors())
             tracker.peak = tracker.current
             with tracker:
                 loss = self.trainer.engine(batch)
