@@ -53,7 +53,7 @@ def test_fixed_choices_are_honoured(gpt):
 
 def test_an_impossible_budget_says_what_it_would_take(gpt):
     with pytest.raises(PlanError, match="nothing fits .* needs about"):
-        plan(gpt, 8, budget="100KiB", profile=FLAT)
+        plan(gpt, 8, budget="100KiB", precision="fp32", checkpoint="all", profile=FLAT)
 
 
 def test_the_largest_micro_batch_fits_and_the_next_does_not(gpt):
@@ -81,7 +81,7 @@ def test_step_time_model_orders_the_obvious_cases(gpt):
 
 
 def test_gpu_plans_search_offload_and_not_fp32(gpt):
-    p = plan(gpt, 8, device="h100", budget="1GiB")
+    p = plan(gpt, 8, device="h100", budget="1GiB", checkpoint="none")
     assert p.config.precision == "bf16"
     assert any("fp32 not searched" in n for n in p.notes)
     names = {f for f, _ in p.families}
@@ -90,12 +90,13 @@ def test_gpu_plans_search_offload_and_not_fp32(gpt):
 
 
 def test_cli_plan_json_and_errors(capfd, gpt):
-    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "1GiB", "--json"]) == 0
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "1GiB", "--precision", "fp32", "--json"]) == 0
     out = json.loads(capfd.readouterr().out)
     assert out["config"]["micro_batch"] * out["config"]["grad_accum"] == 8
     assert out["peak_bytes"] <= out["usable_bytes"]
     assert main(["plan", "gpt-tiny", "--budget", "1GiB"]) == 2
     assert "needs --global-batch" in capfd.readouterr().err
-    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "10KiB"]) == 2
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "10KiB", "--precision", "fp32",
+                 "--checkpoint", "none"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfit: error: nothing fits")
