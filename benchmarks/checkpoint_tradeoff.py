@@ -11,8 +11,11 @@ For each mode:
            median of the per-round ratios to "none" (robust to a slow round) and the fastest step.
   FLOPs    the estimate's recompute FLOPs (forward ops re-run in backward; FlopCounterMode counts matmuls
            and attention only, so recomputed pointwise ops count zero).
-Then the issue's two verdicts, with the numbers. --profile adds a per-op profile of the backward pass of
-"selective" against "none": which recomputed ops the extra time goes to.
+Then the issue's two verdicts, with the numbers. Where selective misses its time criterion (or with
+--analyse always), one decoder block is timed alone (short interleaved calls: robust to other processes)
+under selective-policy variants (more op types kept; everything kept, i.e. the checkpoint machinery
+with no recompute) and at 2x and 4x the width, and the block's forward is split by op under the profiler:
+where the extra time goes, and whether a different `_SAVE` set would remove it.
 
 Cases: the workload as the preset has it (vocab 32000), and, unless --only-preset, the same model with
 the vocabulary scaled to 8 x d_model, the LM-head-to-width ratio of Llama-2-7B (32000 / 4096): with
@@ -24,6 +27,7 @@ thing live at the peak.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -100,65 +104,160 @@ def measure_time(wl, mb: int, warmup: int, steps: int) -> dict:
     return dict(wall=wall, cpu=cpu, load_1min=loads)
 
 
-class _PhaseRanges:
-    """Turns TrainStep's phase callbacks into profiler ranges named phase:forward / phase:backward / ..."""
+# ------------------------------------------------------------------------------------------- why selective costs time
 
-    def __init__(self):
-        self.open = None
+def _block_runs(block, policies: dict) -> dict:
+    """name -> (forward callable, selective policy or None) for one decoder block."""
+    from memfit.strategies import checkpoint as ck
 
-    def __call__(self, phase: str) -> None:
-        self.close()
-        self.open = torch.autograd.profiler.record_function(f"phase:{phase}")
-        self.open.__enter__()
-
-    def close(self) -> None:
-        if self.open is not None:
-            self.open.__exit__(None, None, None)
-            self.open = None
+    runs = {"none": (block.forward, None), "all": (functools.partial(ck._checkpointed, block.forward, False), None)}
+    for name, policy in policies.items():
+        runs[name] = (functools.partial(ck._checkpointed, block.forward, True), policy)
+    return runs
 
 
-def profile_backward(wl, mb: int, modes=("none", "selective"), repeats: int = 3) -> dict:
-    """Self CPU time (ms) and calls of each aten op inside the backward phase of one step, from the
-    repeat whose backward was fastest (the one least disturbed by other processes)."""
+def time_block(d_model: int, seq: int, mb: int, policies: dict, reps: int = 40) -> dict:
+    """One decoder block, forward + backward, under each checkpoint variant: short calls interleaved, the
+    fastest and the 20th-percentile call (noise from other processes only ever adds). ms."""
+    from memfit.strategies import checkpoint as ck
+    from memfit.workloads.gpt import Block, config_for
+
+    torch.manual_seed(0)
+    block = Block(config_for("gpt-small", layers=1, d_model=d_model, seq=seq, vocab=256))
+    x = torch.randn(mb, seq, d_model, requires_grad=True)
+    g = torch.randn(mb, seq, d_model)
+    runs = _block_runs(block, policies)
+    original = ck._selective_policy
+
+    def once(fn, policy):
+        if policy is not None:
+            ck._selective_policy = policy  # read by _checkpointed at call time
+        try:
+            for p in block.parameters():
+                p.grad = None
+            x.grad = None
+            t0 = time.perf_counter()
+            y = fn(x)
+            t1 = time.perf_counter()
+            y.backward(g)
+            t2 = time.perf_counter()
+        finally:
+            ck._selective_policy = original
+        return t1 - t0, t2 - t1
+
+    for v in runs.values():
+        for _ in range(3):
+            once(*v)
+    res = {k: [] for k in runs}
+    for i in range(reps):
+        for k in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            res[k].append(once(*runs[k]))
+    out = {}
+    for k, v in res.items():
+        tot = sorted(a + b for a, b in v)
+        best = min(v, key=lambda ab: ab[0] + ab[1])
+        out[k] = dict(min_ms=1e3 * tot[0], p20_ms=1e3 * tot[int(0.2 * (len(tot) - 1))],
+                      fwd_ms=1e3 * best[0], bwd_ms=1e3 * best[1])
+    return out
+
+
+def forward_op_split(d_model: int, seq: int, mb: int) -> dict:
+    """Self time of one block's forward under the profiler (best of 8 x 5 calls): matmuls and attention
+    against everything else (what selective recomputes). ms per forward."""
     from torch.profiler import ProfilerActivity, profile
 
-    out = {}
-    for mode in modes:
-        torch.manual_seed(0)
-        step = memfit.TrainStep(wl, memfit.Config(micro_batch=mb, checkpoint=mode), "cpu")
-        for _ in range(2):
-            step(wl.batch(mb))
-        best = None
-        for _ in range(repeats):
-            batch = wl.batch(mb)
-            ranges = _PhaseRanges()
-            step.on_phase = ranges
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                step(batch)
-                ranges.close()
-            events = prof.events()
-            bw = [e for e in events if e.name == "phase:backward"]
-            if not bw:
-                continue
-            start, end = bw[0].time_range.start, bw[0].time_range.end
-            ops: dict[str, list] = {}
-            for e in events:
-                if e.name.startswith("aten::") and start <= e.time_range.start < end:
-                    t, n = ops.get(e.name, (0.0, 0))
-                    ops[e.name] = (t + e.self_cpu_time_total / 1e3, n + 1)
-            total = (end - start) / 1e3
-            if best is None or total < best[0]:
-                best = (total, ops)
-        out[label(mode)] = dict(backward_ms=best[0], ops=best[1])
-        step.on_phase = lambda phase: None
-        del step
-        gc.collect()
+    from memfit.workloads.gpt import Block, config_for
+
+    torch.manual_seed(0)
+    block = Block(config_for("gpt-small", layers=1, d_model=d_model, seq=seq, vocab=256))
+    x = torch.randn(mb, seq, d_model, requires_grad=True)
+    for _ in range(3):
+        block(x)
+    best = None
+    for _ in range(8):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                block(x)
+        ops = {e.key: e.self_cpu_time_total / 5e3 for e in prof.key_averages() if e.key.startswith("aten::")}
+        if best is None or sum(ops.values()) < sum(best.values()):
+            best = ops
+    heavy = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    return dict(matmul_attention_ms=sum(v for k, v in best.items() if k in heavy),
+                other_ms=sum(v for k, v in best.items() if k not in heavy),
+                other_top=dict(sorted(((k, v) for k, v in best.items() if k not in heavy), key=lambda kv: -kv[1])[:8]))
+
+
+def policy_variants() -> dict:
+    """Selective as it is, with more op types kept, and keeping everything (no recompute at all: what
+    the checkpoint machinery costs by itself)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from memfit.strategies import checkpoint as ck
+
+    aten = torch.ops.aten
+
+    def keeping(extra):
+        keep = frozenset(ck._SAVE) | extra
+        return lambda ctx, func, *a, **k: (CheckpointPolicy.MUST_SAVE if func in keep
+                                          else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return {
+        "selective": ck._selective_policy,
+        "selective + silu": keeping({aten.silu.default}),
+        "selective + rope (mul, add, neg, cat)": keeping({aten.mul.Tensor, aten.add.Tensor, aten.neg.default,
+                                                          aten.cat.default}),
+        "selective + norm statistics (pow, mean, rsqrt)": keeping({aten.pow.Tensor_Scalar, aten.mean.dim,
+                                                                   aten.rsqrt.default}),
+        "keep everything (no recompute)": lambda ctx, func, *a, **k: CheckpointPolicy.MUST_SAVE,
+    }
+
+
+def variant_memory(wl, mb: int, policies: dict) -> dict:
+    """Estimated peak − model state for checkpoint="selective" under each policy (MiB)."""
+    from memfit.strategies import checkpoint as ck
+
+    original, out = ck._selective_policy, {}
+    for name, policy in policies.items():
+        ck._selective_policy = policy  # the estimate's forked child inherits it
+        try:
+            est = memfit.estimate(wl, memfit.Config(micro_batch=mb, checkpoint="selective"))
+        finally:
+            ck._selective_policy = original
+        out[name] = mib(est.peak_bytes - sum(est.model_state_bytes.values()))
     return out
+
+
+def analyse_selective(wl, opts: dict, mb: int, rows: dict) -> dict:
+    d, seq = opts["d_model"], opts["seq"]
+    policies = policy_variants()
+    print(f"\n### why selective costs time (one block, d_model {d}, seq {seq}, micro-batch {mb}; "
+          f"load {os.getloadavg()[0]:.2f})")
+    split = forward_op_split(d, seq, mb)
+    print(f"block forward under the profiler: matmuls + attention {split['matmul_attention_ms']:.2f} ms, all other ops "
+          f"{split['other_ms']:.2f} ms (what selective recomputes: "
+          + ", ".join(f"{k[6:]} {v:.2f}" for k, v in split["other_top"].items()) + ")")
+    memory = variant_memory(wl, mb, policies)
+    memory.update(none=mib(rows["none"]["act_estimate"]), all=mib(rows["all"]["act_estimate"]))
+    timing = {}
+    for width in (d, 2 * d, 4 * d):
+        chosen = policies if width == d else {k: policies[k] for k in ("selective", "keep everything (no recompute)")}
+        timing[width] = time_block(width, seq, mb, chosen, reps=40 if width == d else 20)
+    print("\n| block variant | activation memory (whole model, estimate) | d_model | fwd + bwd, fastest | extra vs none "
+          "| 20th percentile | extra | forward | backward |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for width, res in timing.items():
+        base = res["none"]
+        for k, r in res.items():
+            mem = f"{memory[k]:.1f} MiB" if width == d and k in memory else ""
+            print(f"| {k} | {mem} | {width} | {r['min_ms']:.2f} ms | {100 * (r['min_ms'] / base['min_ms'] - 1):+.1f}% "
+                  f"| {r['p20_ms']:.2f} ms | {100 * (r['p20_ms'] / base['p20_ms'] - 1):+.1f}% "
+                  f"| {r['fwd_ms']:.2f} ms | {r['bwd_ms']:.2f} ms |")
+    return dict(forward_op_split=split, variant_memory_mib=memory, block_timing={str(k): v for k, v in timing.items()})
 
 
 # ------------------------------------------------------------------------------------------- one case
 
-def run_case(name: str, opts: dict, mb: int, warmup: int, steps: int, profile: bool) -> dict:
+def run_case(name: str, opts: dict, mb: int, warmup: int, steps: int, analyse: str) -> dict:
     wl = builtin("gpt-small", **opts)
     print(f"\n## {name}: gpt {', '.join(f'{k}={v}' for k, v in opts.items())}, micro-batch {mb}, fp32, AdamW; "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
@@ -226,12 +325,11 @@ def run_case(name: str, opts: dict, mb: int, warmup: int, steps: int, profile: b
               f"{_verdict_all(v)}")
         print(f"[{what} memory] selective keeps >= 40% of that saving at <= 10% extra time: {_verdict_sel(v)}")
 
-    prof = None
-    if profile:
-        prof = profile_backward(wl, mb)
-        _print_profile(prof)
+    analysis = None
+    if analyse == "always" or (analyse == "auto" and sel["extra_time"] > SEL_MAX_EXTRA):
+        analysis = analyse_selective(wl, opts, mb, by)
     return dict(name=name, workload=dict(**opts, micro_batch=mb, precision="fp32", optimizer="AdamW"),
-                load_1min=loads, rows=rows, verdicts=verdicts, backward_profile=prof)
+                load_1min=loads, rows=rows, verdicts=verdicts, selective_analysis=analysis)
 
 
 def _verdict_all(v) -> str:
@@ -254,20 +352,6 @@ def _verdict_sel(v) -> str:
             f"extra time {100 * v['selective_extra_time']:+.1f}%{'; ' + ', '.join(why) if why else ''})")
 
 
-def _print_profile(prof: dict) -> None:
-    none_p, sel_p = prof["none"], prof["selective"]
-    a, b = none_p["ops"], sel_p["ops"]
-    diffs = sorted(((k, b.get(k, (0, 0))[0] - a.get(k, (0, 0))[0], b.get(k, (0, 0))[1] - a.get(k, (0, 0))[1])
-                    for k in set(a) | set(b)), key=lambda d: -d[1])
-    print(f"\nbackward phase under the profiler (fastest of 3): none {none_p['backward_ms']:.0f} ms, selective "
-          f"{sel_p['backward_ms']:.0f} ms ({sel_p['backward_ms'] - none_p['backward_ms']:+.0f} ms). aten ops with "
-          "the most extra self time in selective's backward (calls are doubled under the checkpoint's dispatch mode):")
-    print("| op | extra ms | extra calls |")
-    print("|---|---|---|")
-    for k, dt, dn in diffs[:12]:
-        print(f"| {k} | {dt:+.1f} | {dn:+d} |")
-
-
 # ------------------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -279,7 +363,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--only-preset", action="store_true", help="skip the case with the vocabulary scaled to 8 x d_model")
-    ap.add_argument("--profile", action="store_true", help="profile selective's backward against none's")
+    ap.add_argument("--analyse", choices=("auto", "always", "never"), default="auto",
+                    help="time one block under selective-policy variants and wider d_model; auto: when selective "
+                         "misses the 10%% time criterion")
     ap.add_argument("--out", default=str(HERE / "results" / "checkpoint_tradeoff.json"))
     args = ap.parse_args()
     if args.steps < 7:
@@ -292,7 +378,7 @@ def main() -> None:
     if not args.only_preset:
         cases.append((f"vocabulary 8 x d_model ({8 * args.d_model}, the head-to-width ratio of Llama-2-7B)",
                       dict(shape, vocab=8 * args.d_model)))
-    results = [run_case(name, opts, args.micro_batch, args.warmup, args.steps, args.profile) for name, opts in cases]
+    results = [run_case(name, opts, args.micro_batch, args.warmup, args.steps, args.analyse) for name, opts in cases]
     out = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpus=affinity, warmup=args.warmup,
                steps=args.steps,
                criteria=dict(all_min_cut=ALL_MIN_CUT, all_max_extra_time=ALL_MAX_EXTRA,

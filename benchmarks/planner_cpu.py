@@ -106,11 +106,13 @@ def foreign_now(window: float = 1.0) -> float:
 
 
 LOG: list[dict] = []  # waits and load readings, for the report
+MAX_WAIT = [600.0]  # seconds wait_quiet waits at most (--max-wait)
 
 
-def wait_quiet(max_foreign: float, max_wait: float = 300.0, label: str = "") -> dict:
+def wait_quiet(max_foreign: float, max_wait: float | None = None, label: str = "") -> dict:
     """Block until other processes use less than `max_foreign` cores (checked over 1 s), at most
     `max_wait` seconds. Returns what was seen."""
+    max_wait = MAX_WAIT[0] if max_wait is None else max_wait
     start = time.perf_counter()
     seen = []
     while True:
@@ -506,11 +508,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="head-to-head rounds")
     ap.add_argument("--foreign-max", type=float, default=0.25,
                     help="cores other processes may use during a timed step before it is redone")
+    ap.add_argument("--max-wait", type=float, default=600.0,
+                    help="seconds to wait for other processes to go quiet before measuring anyway")
     ap.add_argument("--measure-all", action="store_true", help="also time configs that do not fit")
     ap.add_argument("--out", default=str(HERE / "results" / "planner_cpu.json"))
     args = ap.parse_args(argv)
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    MAX_WAIT[0] = args.max_wait
     start = time.perf_counter()
     print(f"# planner on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"load {os.getloadavg()}", flush=True)

@@ -1,11 +1,17 @@
 """`memfit train` / `memfit.train`: OOM recovery that keeps the math, exact resume after kill -9 (at a random
-moment and in the middle of a checkpoint write) and after Ctrl-C, resume errors, metrics / report / plots,
+moment, and in the middle of a checkpoint write) and after Ctrl-C, resume errors, metrics / report / plots,
 and the default sort demo actually learning.
 
-Checkpoint atomicity and loading on their own are tests/test_checkpoints.py; here they are driven by a run.
+The `memfit train` subprocesses (an uninterrupted reference run and three interrupted-then-resumed runs) are
+started in background threads when this module's first test starts, so they run alongside the in-process
+tests; the tests at the end of the file collect them. Every process runs single-threaded, and each under a
+small supervisor that records its exit status (see `Proc`).
+Checkpoint atomicity and loading on their own are tests/test_checkpoints.py; here a real run drives them.
 """
 from __future__ import annotations
 
+import inspect
+import itertools
 import json
 import math
 import os
@@ -14,7 +20,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,13 +38,15 @@ from memfit.workloads import builtin
 sys.path.insert(0, str(Path(__file__).parent))
 import models  # noqa: E402
 
-# The run the subprocess tests share: 12 steps of gpt-tiny (no dropout), checkpoints every 2 steps, cosine LR.
+# The run the subprocess tests share: 12 steps of gpt-tiny (no dropout), 2 micro-batches of 2 per step,
+# checkpoints every 2 steps, cosine LR with warm-up.
 STEPS = 12
 ARGS = ["gpt-tiny", "--steps", str(STEPS), "--global-batch", "4", "--micro-batch", "2", "--checkpoint-every", "2",
         "--no-progress", "--seed", "3"]
-# One thread: on 2 cores shared with other test processes, OpenMP's spinning workers make these tiny steps
-# ~50x slower. Every process of a comparison runs with the same setting, so bit-exactness is unaffected.
+# One thread: on 2 cores shared with other processes, OpenMP's spinning workers make these tiny steps ~50x
+# slower. Every run of a comparison uses the same setting, so bit-exactness is unaffected.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+CANCEL = threading.Event()  # set at module teardown: background runs still going are stopped
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,35 +60,106 @@ def _one_thread():
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def command(out: Path, *extra: str, args=ARGS) -> list[str]:
-    return [sys.executable, "-m", "memfit.cli", "train", *args, "--out", str(out), *extra]
+def command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "memfit.cli", "train", *ARGS, "--out", str(out), *extra]
 
 
-def run_cli(out: Path, *extra: str, args=ARGS, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(command(out, *extra, args=args), capture_output=True, text=True, env=ENV,
-                          timeout=timeout, cwd=out.parent)
+SUPERVISE = r"""
+import json, os, re, subprocess, sys, time
+status, when, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+child = subprocess.Popen(argv)
+with open(status + ".pid.tmp", "w") as f:
+    f.write(str(child.pid))
+os.replace(status + ".pid.tmp", status + ".pid")
 
 
-def start_cli(out: Path, log: Path, argv: list[str] | None = None) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:  # a file, not a pipe: nobody reads a pipe while we poll
-        return subprocess.Popen(argv or command(out), stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=out.parent)
+def steps_logged(out):
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return sum('"loss"' in line and line.endswith("\n") for line in f)
+    except FileNotFoundError:
+        return 0
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended (exit {proc.returncode}) before {what}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+def newest_checkpoint(out):
+    try:
+        names = os.listdir(os.path.join(out, "checkpoints"))
+    except FileNotFoundError:
+        return 0
+    return max([int(m.group(1)) for m in map(re.compile(r"step-(\d+)\.pt$").match, names) if m], default=0)
+
+
+if when:
+    ready = {"steps": lambda: steps_logged(when["out"]) >= when["at"],
+             "checkpoint": lambda: newest_checkpoint(when["out"]) >= when["at"],
+             "file": lambda: os.path.exists(when["at"])}[when["kind"]]
+    while child.poll() is None:
+        if ready():
+            time.sleep(when["delay"])
+            child.send_signal(when["signal"])
+            break
         time.sleep(0.002)
+rc = child.wait()
+with open(status + ".tmp", "w") as f:
+    f.write(str(rc))
+os.replace(status + ".tmp", status)
+"""
+_serial = itertools.count()
+
+
+class Proc:
+    """A process run under a small supervisor that writes its exit status to a file and, given `when`,
+    sends it a signal once a condition on its run folder holds (so the moment does not depend on how soon
+    this busy process gets to poll). Not a plain Popen: `memfit.estimate`, called by the in-process tests
+    meanwhile, reaps *any* child of this process with os.wait(), and a Popen whose child was reaped that way
+    reports exit status 0.
+
+    when: kind "steps" (that many step records in metrics.jsonl), "checkpoint" (a checkpoint of that step or
+    later) or "file" (that path exists); at; delay (seconds after the condition); signal.
+    """
+
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None, when: dict | None = None):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log, self.status = log, log.parent / f".proc-{next(_serial)}"
+        with open(log, "a") as f:  # a file, not a pipe: nobody reads a pipe while we wait
+            self.supervisor = subprocess.Popen(
+                [sys.executable, "-c", SUPERVISE, str(self.status), json.dumps(when or {}), *argv], stdout=f,
+                stderr=subprocess.STDOUT, env=env or ENV, cwd=log.parent, start_new_session=True)  # for stop()
+
+    @property
+    def returncode(self) -> int | None:
+        return int(self.status.read_text()) if self.status.exists() else None
+
+    def wait(self, timeout: float = 300) -> int:
+        """The exit status; stops the process on CANCEL or after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        try:
+            while self.returncode is None:
+                if CANCEL.is_set() or time.monotonic() > deadline:
+                    raise AssertionError(f"{'cancelled' if CANCEL.is_set() else 'timed out'} waiting for the run:\n"
+                                         f"{self.log.read_text()[-3000:]}")
+                time.sleep(0.02)
+            return self.returncode
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill what is left of it (the supervisor, the run, a forked child of the run)."""
+        if self.supervisor.poll() is None:
+            try:
+                os.killpg(self.supervisor.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.supervisor.wait()
+
+
+def run(argv: list[str], log: Path, env: dict | None = None, **when) -> int:
+    """Run to the end (or until `when` signals it, see Proc); the exit status."""
+    return Proc(argv, log, env, when or None).wait()
 
 
 def metric_lines(out: Path) -> list[dict]:
-    """Every complete line of metrics.jsonl (a line being written by a live run is skipped)."""
+    """Every complete line of metrics.jsonl (a line a live run is writing is skipped)."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
@@ -108,99 +189,32 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
-def assert_bit_identical(out: Path, ref: Path) -> None:
+def assert_bit_identical(out: Path, ref: Path, what: str) -> None:
     a, b = weights(out), weights(ref)
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"weights differ from the uninterrupted run: {different[:5]}"
-    # the same per-step losses and learning rates (the LR schedule resumed too), one record per step
+    assert not different, f"{what}: weights differ from the uninterrupted run: {different[:5]}"
+    # the same loss and learning rate at every step (the LR schedule resumed too), one record per step
     got, want = step_records(out), step_records(ref)
-    assert [r["step"] for r in got] == list(range(STEPS)), "metrics.jsonl must hold exactly one record per step"
-    assert [(r["loss"], r["lr"]) for r in got] == [(r["loss"], r["lr"]) for r in want]
+    assert [r["step"] for r in got] == list(range(STEPS)), f"{what}: metrics.jsonl needs one record per step"
+    assert [(r["loss"], r["lr"]) for r in got] == [(r["loss"], r["lr"]) for r in want], what
 
 
-def resume_until_done(out: Path, tries: int = 3) -> None:
-    for _ in range(tries):
-        r = run_cli(out, "--resume")
-        assert r.returncode == 0, r.stderr[-3000:]
-        if (out / "model.safetensors").exists():
-            return
-    raise AssertionError(f"--resume did not finish the run in {tries} tries")
+# ------------------------------------------------------------------------------------------------ background runs
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference_run(out: Path) -> Path:
     """The uninterrupted run every interrupted one must reproduce bit for bit."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    r = run_cli(out)
-    assert r.returncode == 0, r.stderr[-3000:]
+    log = out.parent / "run.log"
+    assert run(command(out), log) == 0, log.read_text()[-3000:]
     assert [r["step"] for r in step_records(out)] == list(range(STEPS))
     assert saved_steps(out)[-1] == STEPS and not tmp_files(out)
     return out
 
 
-# ------------------------------------------------------------------------------------------------ OOM recovery
-
-
-def test_oom_recovery_keeps_the_math(tmp_path):
-    """Under a virtual budget micro-batch 8 does not fit: the run must fall back to a smaller micro-batch,
-    redo the same global batch, and end where a run started at that micro-batch ends."""
-    G = 8
-    wl = models.gpt_sdpa()  # RoPE + SDPA, AdamW; no dropout, so a redone step draws nothing random
-    assert not any(isinstance(m, torch.nn.Dropout) for m in wl.model().modules())
-    p8 = memfit.estimate(wl, Config(micro_batch=8, grad_accum=1)).peak_bytes
-    p2 = memfit.estimate(wl, Config(micro_batch=2, grad_accum=4)).peak_bytes
-    assert p2 < p8
-    budget = (p8 + p2) // 2
-
-    out = tmp_path / "oom"
-    res = train(wl, 4, G, budget=budget, config=Config(micro_batch=8), seed=5, progress=False, out=out)
-    recs = step_records(out)
-    assert [r["step"] for r in recs] == [0, 1, 2, 3]
-    events = [e for r in recs for e in r["events"]]
-    assert events, "no OOM recovery was recorded"
-    assert all("out of memory" in e and "redoing the same global batch" in e for e in events)
-    assert "micro-batch 8" in events[0]
-    final = res.config
-    assert final.micro_batch < 8 and recs[-1]["micro_batch"] == final.micro_batch
-    assert final.micro_batch * final.grad_accum == G and final.checkpoint == "none"
-    assert res.report["oom_recoveries"] == len(events)
-    assert res.report["config"]["micro_batch"] == final.micro_batch
-    assert all(r["peak_bytes"] is not None and r["peak_bytes"] <= budget for r in recs)  # measured under budget
-
-    ref_out = tmp_path / "plain"
-    ref = train(models.gpt_sdpa(), 4, G, config=Config(micro_batch=final.micro_batch), seed=5, progress=False,
-                out=ref_out)
-    assert not any(r["events"] for r in step_records(ref_out)) and ref.config.micro_batch == final.micro_batch
-    got, want = weights(out), weights(ref_out)
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
-    for a, b in zip(recs, step_records(ref_out)):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
-
-
-def test_nothing_fits_raises_a_clear_run_error_and_leaves_a_checkpoint(tmp_path):
-    out = tmp_path / "tiny-budget"
-    with pytest.raises(RunError) as info:
-        train(builtin("gpt-tiny"), 3, 4, budget=100_000, config=Config(micro_batch=4), seed=0, progress=False,
-              out=out)
-    msg = str(info.value)
-    assert "out of memory" in msg and "nothing smaller is left to try" in msg and "step 0" in msg
-    assert "\n" not in msg
-    latest = ckpt.latest_checkpoint(out)
-    assert latest is not None and str(latest) in msg
-    state = ckpt.load_checkpoint(latest)
-    assert state["step"] == 0 and state["data_state"] == {"seed": 0, "global_batch": 4}
-    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
-
-
-# ------------------------------------------------------------------------------------------------ kill -9
-
-
 STALL = """\
-# Runs `python -m memfit.cli ...`, but the checkpoint of step $MEMFIT_TEST_STALL_STEP is left half written in
-# its temporary file and the process hangs there: the test's kill -9 lands in the middle of the write.
+# `python -m memfit.cli ...`, except that the checkpoint of step $MEMFIT_TEST_STALL_STEP is left half written
+# in its temporary file and the process hangs there: the test's kill -9 lands in the middle of the write.
 import os, runpy, sys, time
 from memfit.runtime import checkpoints as c
 stall = int(os.environ["MEMFIT_TEST_STALL_STEP"])
@@ -224,68 +238,151 @@ runpy.run_module("memfit.cli", run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.parametrize("where", ["random-moment", "mid-checkpoint-write"])
-def test_kill_9_then_resume_is_bit_exact(reference, tmp_path, where):
-    rnd = random.Random(f"memfit-kill-{where}")  # reproducible "random" kill points
-    out = tmp_path / "run"
-    log = tmp_path / "killed.log"
-    if where == "random-moment":
-        after, delay = rnd.choice([2, 4, 6, 8]), rnd.uniform(0.0, 0.08)
-        proc = start_cli(out, log)
-        wait_for(lambda: max(saved_steps(out), default=0) >= after, proc, f"checkpoint {after}", log)
-        time.sleep(delay)
-    else:
-        stall = rnd.choice([4, 6, 8, 10])
-        stalled = tmp_path / "stalled"
-        script = tmp_path / "stall.py"
+def resume_to_end(out: Path, log: Path, tries: int = 3) -> int:
+    for n in range(1, tries + 1):
+        assert run(command(out, "--resume"), log) == 0, log.read_text()[-3000:]
+        if (out / "model.safetensors").exists():
+            return n
+    raise AssertionError(f"--resume did not finish the run in {tries} tries")
+
+
+def kill_and_resume(out: Path, where: str) -> Path:
+    """Start the run, kill -9 it at a reproducible random point, resume until it completes."""
+    rnd = random.Random(f"memfit-kill-{where}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / "run.log"
+    kill = dict(signal=signal.SIGKILL, out=str(out))
+    if where == "mid-checkpoint-write":
+        stall, stalled, script = rnd.choice([4, 6, 8, 10]), out.parent / "stalled", out.parent / "stall.py"
         script.write_text(STALL)
-        ENV["MEMFIT_TEST_STALL_STEP"], ENV["MEMFIT_TEST_STALLED"] = str(stall), str(stalled)
-        try:
-            proc = start_cli(out, log, [sys.executable, str(script), *command(out)[3:]])
-        finally:
-            del ENV["MEMFIT_TEST_STALL_STEP"], ENV["MEMFIT_TEST_STALLED"]
-        wait_for(stalled.exists, proc, f"the write of checkpoint {stall}", log)
-        assert tmp_files(out), "no temporary checkpoint file while the write is in progress"
+        env = {**ENV, "MEMFIT_TEST_STALL_STEP": str(stall), "MEMFIT_TEST_STALLED": str(stalled)}
+        rc = run([sys.executable, str(script), *command(out)[3:]], log, env, kind="file", at=str(stalled), delay=0,
+                 **kill)
+        assert rc == -signal.SIGKILL, log.read_text()[-3000:]
+        assert tmp_files(out), "no temporary checkpoint file: the kill did not land in the write"
         assert stall not in saved_steps(out) and stall - 2 in saved_steps(out)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
+    else:  # a random moment within steps 3..8 (the first checkpoint, at step 2, exists by then)
+        rc = run(command(out), log, kind="steps", at=rnd.choice([3, 4, 5, 6, 7, 8]), delay=rnd.uniform(0, 0.015),
+                 **kill)
+        assert rc == -signal.SIGKILL, log.read_text()[-3000:]
     assert not (out / "model.safetensors").exists(), "the run finished before it was killed: nothing was tested"
     assert saved_steps(out) and max(saved_steps(out)) < STEPS
-
-    resume_until_done(out)
-    assert_bit_identical(out, reference)
+    resumes = 0
+    resumed_from = max(saved_steps(out))
+    if where == "random-moment" and resumed_from + 2 <= STEPS - 4:  # kill the resumed run too, in the same
+        own = resumed_from + 2  # way, once it has written a checkpoint of its own (4 steps before the end)
+        rc = run(command(out, "--resume"), log, kind="checkpoint", at=own, delay=rnd.uniform(0, 0.015), **kill)
+        assert rc == -signal.SIGKILL and not (out / "model.safetensors").exists(), log.read_text()[-3000:]
+        resumes += 1
+    resumes += resume_to_end(out, log)
     assert not tmp_files(out), "a temporary file of the killed write was left behind"
-    assert any("resumed from" in r.get("event", "") for r in metric_lines(out))
+    assert sum("resumed from" in r.get("event", "") for r in metric_lines(out)) == resumes
+    return out
 
 
-# ------------------------------------------------------------------------------------------------ Ctrl-C
-
-
-def test_ctrl_c_writes_a_checkpoint_at_the_step_it_stopped_and_resume_finishes(reference, tmp_path):
-    out = tmp_path / "run"
-    log = tmp_path / "interrupted.log"
-    proc = start_cli(out, log)
-    wait_for(lambda: bool(step_records(out)), proc, "the first step", log)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+def interrupt_and_resume(out: Path) -> tuple[Path, int]:
+    """Ctrl-C (SIGINT) once the first step is logged: exit 0 with a checkpoint of the step it stopped at;
+    then --resume finishes the run. Returns the run folder and the step it stopped at."""
+    log = out.parent / "run.log"
+    # --checkpoint-every 1000: no periodic checkpoint to mistake for the one Ctrl-C writes
+    rc = run(command(out, "--checkpoint-every", "1000"), log, kind="steps", at=1, delay=0, signal=signal.SIGINT,
+             out=str(out))
+    assert rc == 0, log.read_text()[-3000:]
     assert "interrupted: checkpoint at step" in log.read_text()
     done = step_records(out)[-1]["step"] + 1
-    assert done < STEPS, "the run finished before Ctrl-C reached it"
+    assert done < STEPS, "the run finished before Ctrl-C reached it: nothing was tested"
+    assert saved_steps(out) == [done]
     latest = ckpt.latest_checkpoint(out)
-    assert latest == ckpt.checkpoint_path(out, done)
+    assert latest == ckpt.checkpoint_path(out, done), (latest, done)
     assert ckpt.load_checkpoint(latest)["step"] == done
     assert not (out / "model.safetensors").exists()
+    assert resume_to_end(out, log, tries=1) == 1
+    return out, done
 
-    r = run_cli(out, "--resume")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_bit_identical(out, reference)
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request, tmp_path_factory):
+    """Started with the module's first test (so they overlap the in-process tests), if any selected test
+    collects them."""
+    mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    if not any("runs" in inspect.signature(item.function).parameters for item in mine):
+        yield {}
+        return
+    root = tmp_path_factory.mktemp("runs")
+    pool = ThreadPoolExecutor(4)
+    futures = {
+        "reference": pool.submit(reference_run, root / "reference" / "run"),
+        "random-moment": pool.submit(kill_and_resume, root / "random-moment" / "run", "random-moment"),
+        "mid-checkpoint-write": pool.submit(kill_and_resume, root / "mid-write" / "run", "mid-checkpoint-write"),
+        "ctrl-c": pool.submit(interrupt_and_resume, root / "ctrl-c" / "run"),
+    }
+    yield futures
+    CANCEL.set()
+    pool.shutdown(wait=True)
+    CANCEL.clear()
+
+
+# ------------------------------------------------------------------------------------------------ OOM recovery
+
+
+def test_oom_recovery_keeps_the_math(tmp_path):
+    """Under a virtual budget micro-batch 8 does not fit: the run must fall back to a smaller micro-batch,
+    redo the same global batch, and end where a run started at that micro-batch ends."""
+    G = 8
+    wl = models.gpt_sdpa(layers=1)  # RoPE + SDPA, AdamW; no dropout: a redone step draws nothing random
+    assert not any(isinstance(m, torch.nn.Dropout) for m in wl.model().modules())
+    p8 = memfit.estimate(wl, Config(micro_batch=8, grad_accum=1)).peak_bytes
+    p2 = memfit.estimate(wl, Config(micro_batch=2, grad_accum=4)).peak_bytes
+    assert p2 < p8
+    budget = (p8 + p2) // 2
+
+    out = tmp_path / "oom"
+    res = train(wl, 4, G, budget=budget, config=Config(micro_batch=8), seed=5, progress=False, out=out)
+    recs = step_records(out)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    events = [e for r in recs for e in r["events"]]
+    assert events, "no OOM recovery was recorded"
+    assert all("out of memory" in e and "redoing the same global batch" in e for e in events)
+    assert "micro-batch 8" in events[0]
+    final = res.config
+    assert final.micro_batch < 8 and recs[-1]["micro_batch"] == final.micro_batch
+    assert final.micro_batch * final.grad_accum == G and final.checkpoint == "none"
+    assert res.report["oom_recoveries"] == len(events) and res.report["config"] == final.to_dict()
+    assert all(r["peak_bytes"] is not None and r["peak_bytes"] <= budget for r in recs)  # measured, in budget
+
+    ref_out = tmp_path / "plain"
+    ref = train(models.gpt_sdpa(layers=1), 4, G, config=Config(micro_batch=final.micro_batch), seed=5,
+                progress=False, out=ref_out)
+    assert not any(r["events"] for r in step_records(ref_out)) and ref.config.micro_batch == final.micro_batch
+    got, want = weights(out), weights(ref_out)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    for a, b in zip(recs, step_records(ref_out)):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a, b)
+
+
+def test_nothing_fits_raises_a_clear_run_error_and_leaves_a_checkpoint(tmp_path):
+    out = tmp_path / "tiny-budget"
+    with pytest.raises(RunError) as info:
+        train(builtin("gpt-tiny"), 3, 4, budget=100_000, config=Config(micro_batch=4), seed=0, progress=False,
+              out=out)
+    msg = str(info.value)
+    assert "out of memory" in msg and "nothing smaller is left to try" in msg and "step 0" in msg
+    assert "\n" not in msg
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    latest = ckpt.latest_checkpoint(out)
+    assert latest is not None and str(latest) in msg
+    state = ckpt.load_checkpoint(latest)
+    assert state["step"] == 0 and state["data_state"] == {"seed": 0, "global_batch": 4}
 
 
 # ------------------------------------------------------------------------------------------------ resume errors
 
 
 def test_resume_without_a_checkpoint_is_one_line_and_exit_2(tmp_path):
-    r = run_cli(tmp_path / "empty", "--resume", timeout=60)
+    r = subprocess.run(command(tmp_path / "empty", "--resume"), capture_output=True, text=True, env=ENV,
+                       timeout=120, cwd=tmp_path)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memfit: error:") and "no complete checkpoint" in lines[0], r.stderr
@@ -311,6 +408,41 @@ def test_resume_with_another_seed_or_global_batch_is_refused(small_run, tmp_path
         train(builtin("mlp-tiny"), 4, kw["global_batch"], micro_batch=4, seed=kw["seed"], resume=True,
               progress=False, out=out)
     assert ((out / "metrics.jsonl").read_text(), saved_steps(out)) == before  # nothing was touched
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_checkpoints(small_run, tmp_path):
+    """Without --resume, a new run's checkpoints would be pruned in favour of the old run's later ones, and a
+    later --resume would continue the old run."""
+    out = tmp_path / "run"
+    shutil.copytree(small_run, out)
+    before = (out / "metrics.jsonl").read_text(), saved_steps(out)
+    with pytest.raises(RunError, match=r"already holds checkpoints .*step 2.*--resume"):
+        train(builtin("mlp-tiny"), 4, 8, micro_batch=4, seed=1, progress=False, out=out)
+    assert ((out / "metrics.jsonl").read_text(), saved_steps(out)) == before
+
+
+def test_resume_cannot_stretch_a_onecycle_schedule(tmp_path):
+    """OneCycleLR's length is part of its saved state: a longer --steps used to crash one step past it."""
+    out = tmp_path / "run"
+    train(builtin("mlp-tiny"), 2, 4, micro_batch=4, schedule="onecycle", checkpoint_every=1, progress=False, out=out)
+    with pytest.raises(RunError, match=r"onecycle .*2 steps.*--steps 2"):
+        train(builtin("mlp-tiny"), 4, 4, micro_batch=4, schedule="onecycle", resume=True, progress=False, out=out)
+
+
+def test_train_runs_outside_the_main_thread(tmp_path):
+    """Only the main thread may install the Ctrl-C handler; elsewhere the run goes on without one."""
+    errors = []
+
+    def run():
+        try:
+            train(builtin("mlp-tiny"), 2, 4, micro_batch=4, progress=False, out=tmp_path / "run")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=120)
+    assert not errors and (tmp_path / "run" / "model.safetensors").exists(), errors
 
 
 # ------------------------------------------------------------------------------------------------ metrics, report
@@ -345,8 +477,8 @@ def test_metrics_report_and_plots(tmp_path):
     assert res.steps == 6 and res.final_loss == recs[-1]["loss"] and (out / "model.safetensors").exists()
 
 
-def test_lr_schedules_differ(tmp_path):
-    """cosine warms up then decays to 10%; constant stays put (and the schedule is what the run records)."""
+def test_lr_schedules(tmp_path):
+    """cosine: warm-up, then from the full lr down towards 10%; constant stays put."""
     lrs = {}
     for schedule in ("cosine", "constant"):
         train(builtin("mlp-tiny"), 4, 4, config=Config(micro_batch=4), schedule=schedule, warmup=1, progress=False,
@@ -354,7 +486,6 @@ def test_lr_schedules_differ(tmp_path):
         lrs[schedule] = [r["lr"] for r in step_records(tmp_path / schedule)]
     base = lrs["constant"][0]
     assert lrs["constant"] == [base] * 4
-    # warm-up of 1 step, then cosine from the full lr over the 3 remaining steps
     expected = [base] + [base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 1) / 3))) for s in (1, 2, 3)]
     assert lrs["cosine"] == pytest.approx(expected)
 
@@ -363,10 +494,27 @@ def test_lr_schedules_differ(tmp_path):
 
 
 def test_the_sort_demo_learns(tmp_path):
-    """What `memfit train` with no arguments runs (shortened): planned, and the loss clearly falls."""
+    """What `memfit train` with no arguments runs, shortened: planned, and the loss clearly falls."""
     res = train(builtin("sort"), steps=30, global_batch=32, progress=False, out=tmp_path / "sort")
     losses = [r["loss"] for r in step_records(tmp_path / "sort")]
     assert len(losses) == 30 and (tmp_path / "sort" / "plan.json").exists()
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < first - 0.1, f"loss did not fall: first 5 {first:.3f}, last 5 {last:.3f}"
+    assert last < first - 0.3, f"loss did not fall: first 5 {first:.3f}, last 5 {last:.3f}"
     assert res.final_loss == losses[-1]
+
+
+# ------------------------------------------------------------------------------------------------ interrupted runs
+
+
+@pytest.mark.parametrize("where", ["random-moment", "mid-checkpoint-write"])
+def test_kill_9_then_resume_is_bit_exact(runs, where):
+    """random-moment: kill -9 a random time after a random checkpoint, the resumed run killed the same way,
+    then resumed to the end. mid-checkpoint-write: kill -9 while a checkpoint's temporary file is half
+    written. Both must end bit-identical to the uninterrupted run: weights, and each step's loss and lr."""
+    assert_bit_identical(runs[where].result(timeout=600), runs["reference"].result(timeout=600), where)
+
+
+def test_ctrl_c_writes_a_checkpoint_at_the_step_it_stopped_and_resume_finishes(runs):
+    out, stopped_at = runs["ctrl-c"].result(timeout=600)  # what the interrupted run left is checked there
+    assert 1 <= stopped_at < STEPS
+    assert_bit_identical(out, runs["reference"].result(timeout=600), "Ctrl-C")

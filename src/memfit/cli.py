@@ -168,7 +168,7 @@ def cmd_train(args) -> int:
                    progress=not args.no_progress, console=console)
     from memfit.report.tables import run_view
     console.print(run_view(result))
-    if workload.name == "sort":
+    if workload.name == "sort" and (result.out / "model.safetensors").exists():
         from memfit.workloads.demo import show
         for given, answer, truth in show(result_model(result, workload)):
             mark = "[green]✓[/]" if answer == truth else "[red]✗[/]"

@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import tempfile
+import time
 from typing import Callable
 
 import torch
@@ -371,9 +372,7 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
                 if pid == 0:
                     _child(fn, path)
                 running[pid] = (i, path)
-            pid, status = os.wait()
-            if pid not in running:
-                continue
+            pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
             i, path = running.pop(pid)
             if os.WIFSIGNALED(status):
                 sig = signal.Signals(os.WTERMSIG(status)).name
@@ -383,6 +382,15 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
             with open(path, "rb") as f:
                 results[i] = pickle.load(f)
     return results
+
+
+def _wait_any(pids) -> tuple[int, int]:
+    while True:
+        for pid in pids:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return done, status
+        time.sleep(0.01)
 
 
 def _child(fn: Callable, path: str) -> None:

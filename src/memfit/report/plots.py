@@ -142,8 +142,11 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
             name = estimate.device
             if device_on_scale:
                 ax.axhline(device_total / scale, color="#B00020", linewidth=1.6, zorder=5)
+                headroom = estimate.headroom_bytes
+                verdict = "" if headroom is None else (f", {fmt_bytes(headroom)} to spare" if headroom >= 0 else
+                                                        f": does not fit, {fmt_bytes(-headroom)} short")
                 ax.text(x[0] + 0.005 * (x[-1] - x[0]), device_total / scale,
-                        f" {name} memory {fmt_bytes(device_total)}", va="bottom", ha="left", fontsize=10,
+                        f" {name} memory {fmt_bytes(device_total)}{verdict}", va="bottom", ha="left", fontsize=10,
                         color="#B00020", zorder=7)
             else:
                 off_scale.append(f"{name} memory: {fmt_bytes(device_total)}\n"
@@ -176,6 +179,8 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
             if cfg.get("checkpoint", "none") != "none":
                 bits.append(f"checkpoint {cfg['checkpoint']}")
             title = f"Memory over one training step — {estimate.workload} · {' · '.join(bits)} · {estimate.device}"
+            if estimate.method != "fake":  # the timeline is of a real CPU step at a micro-batch that may differ
+                title += f"\n(timeline of a real CPU step; peak {estimate.method})"
         ax.set_title(title, loc="left")
         # legend outside the plot, on the right, top-down in stacking order (as the areas appear)
         handles, labels = ax.get_legend_handles_labels()

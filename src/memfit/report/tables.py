@@ -146,8 +146,9 @@ def max_batch_view(r: dict) -> Text:
 
 def run_view(result) -> Group:
     r = result.report
-    table = Table(title=f"run finished: {result.steps} steps · {_config_line(r['config'])} · {result.out}",
-                  title_justify="left")
+    finished = (result.out / "model.safetensors").exists()
+    table = Table(title=f"run {'finished' if finished else 'stopped'} after {result.steps} steps · "
+                        f"{_config_line(r['config'])} · {result.out}", title_justify="left")
     for col in ("", "predicted", "measured"):
         table.add_column(col, justify="right" if col else "left")
     fmt_b = lambda v: fmt_bytes(v) if v is not None else "-"  # noqa: E731
@@ -160,5 +161,6 @@ def run_view(result) -> Group:
     if losses:
         lines.append(Text(f"loss {losses[0]:.4f} → {losses[-1]:.4f}"
                           + (f" · {r['oom_recoveries']} OOM recoveries" if r["oom_recoveries"] else "")))
-    lines.append(Text(f"files: {result.out}/metrics.jsonl, loss.png, memory.png, model.safetensors", style="dim"))
+    files = "metrics.jsonl, loss.png, memory.png" + (", model.safetensors" if finished else ", checkpoints/")
+    lines.append(Text(f"files in {result.out}: {files}", style="dim"))
     return Group(*lines)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +117,10 @@ class _Run:
         if data.get("seed") != self.seed or data.get("global_batch") != self.global_batch:
             raise RunError(f"{path}: saved with seed {data.get('seed')} and global batch {data.get('global_batch')}; "
                            f"resuming with seed {self.seed} and global batch {self.global_batch} would change the data")
+        total = (state.get("scheduler") or {}).get("total_steps")  # onecycle's length is part of its state
+        if total is not None and total != self.steps:
+            raise RunError(f"{path}: its onecycle LR schedule spans {total} steps and cannot be stretched to "
+                           f"{self.steps}; resume with --steps {total}")
         saved = Config.from_dict(state["config"])
         if saved != self.trainer.config:
             self.trainer.reconfigure(saved)  # a configuration OOM recovery had moved to
@@ -208,7 +213,9 @@ class _Run:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         records: list[dict] = []
-        previous = signal.signal(signal.SIGINT, self._interrupt)
+        # Ctrl-C finishes the step and checkpoints; Python lets only the main thread install a handler
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self._interrupt) if main else None
         columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn()]
         try:
@@ -242,7 +249,8 @@ class _Run:
                         self.console.print(f"interrupted: checkpoint at step {done} written; resume with --resume")
                         break
         finally:
-            signal.signal(signal.SIGINT, previous)
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         return records
 
     def _interrupt(self, signum, frame):
@@ -278,6 +286,9 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
                                                f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     if resume and ckpt.latest_checkpoint(out) is None:
         raise RunError(f"--resume: no complete checkpoint under {out}")
+    if not resume and ckpt.list_checkpoints(out):  # a fresh run among them would resume into the old one
+        raise RunError(f"{out} already holds checkpoints of a run (newest: step {ckpt.list_checkpoints(out)[-1][0]}); "
+                       "resume it with --resume, or start the new run in another folder")
     out.mkdir(parents=True, exist_ok=True)
     dev = get_device(device)
     budget_bytes = resolve_budget(budget, dev) if budget is not None else None
