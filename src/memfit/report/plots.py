@@ -31,6 +31,7 @@ _COLORS = {
     "inputs": "#999999", "activations": "#E69F00", "temporaries": "#D55E00",
 }
 _PHASE_SHADES = {"setup": "#f2f2f2", "forward": "#eaf2fb", "backward": "#fbefe6", "optimizer": "#eaf6ef"}
+_LABEL_BOX = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.8)
 _RC = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11, "legend.fontsize": 9.5,
        "xtick.labelsize": 10, "ytick.labelsize": 10}
 
@@ -146,8 +147,8 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
                 verdict = "" if headroom is None else (f", {fmt_bytes(headroom)} to spare" if headroom >= 0 else
                                                         f": does not fit, {fmt_bytes(-headroom)} short")
                 ax.text(x[0] + 0.005 * (x[-1] - x[0]), device_total / scale,
-                        f" {name} memory {fmt_bytes(device_total)}{verdict}", va="bottom", ha="left", fontsize=10,
-                        color="#B00020", zorder=7)
+                        f"{name} memory {fmt_bytes(device_total)}{verdict}", va="bottom", ha="left", fontsize=10,
+                        color="#B00020", zorder=7, bbox=_LABEL_BOX)
             else:
                 off_scale.append(f"{name} memory: {fmt_bytes(device_total)}\n"
                                  f"(the peak is {100 * estimate.peak_bytes / device_total:.2g}% of it)")
@@ -155,8 +156,8 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
             if reserved_on_scale:
                 ax.axhline(reserved / scale, color="#6a3d9a", linewidth=1.1, linestyle=":", zorder=5)
                 ax.text(x[-1] - 0.005 * (x[-1] - x[0]), reserved / scale,
-                        f"predicted reserved peak {fmt_bytes(reserved)} ", va="bottom", ha="right",
-                        fontsize=9.5, color="#6a3d9a", zorder=7)
+                        f"predicted reserved peak {fmt_bytes(reserved)}", va="bottom", ha="right",
+                        fontsize=9.5, color="#6a3d9a", zorder=7, bbox=_LABEL_BOX)
             else:
                 off_scale.append(f"predicted reserved peak:\n{fmt_bytes(reserved)} (allocator cache,\n"
                                  "cuBLAS workspace included)")
