@@ -32,7 +32,6 @@ average is still recorded (and checked before each config, as asked) for the rep
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import gc
 import json
@@ -278,7 +277,6 @@ def head_to_head(wl, cfgs: list[Config], G: int, rounds: int, max_foreign: float
 
 def run_model(name: str, desc: str, wl, args, profile) -> dict:
     G = args.global_batch
-    dev = get_device("cpu")
     print(f"\n## {name}: {desc}, global batch {G}\n", flush=True)
     ref = estimate(wl, Config(micro_batch=G))
     budget = int(args.budget_share * ref.peak_bytes)

@@ -171,7 +171,7 @@ def test_kill_9_mid_save_leaves_previous_and_temp_is_ignored(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step-00000001.pt"
     assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1
     # the next successful save cleans the leftover
-    model, opt = nn.Linear(3, 3), None
+    model = nn.Linear(3, 3)
     save_checkpoint(tmp_path, 3, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={})
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
