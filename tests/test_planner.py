@@ -100,3 +100,58 @@ def test_cli_plan_json_and_errors(capfd, gpt):
                  "--checkpoint", "none"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfit: error: nothing fits")
+
+
+def _table(kind: str, nbytes: float, alloc: float = 0, flops: float = 0):
+    from memfit.planner.costmodel import OpTable
+    return OpTable({"flops": [flops], "bytes": [nbytes], "alloc": [alloc], "kind": [kind], "phase": ["forward"]})
+
+
+def test_step_time_model_prices_dropout_page_faults_and_cache():
+    from memfit.planner.costmodel import LARGE_ALLOC, phase_seconds
+    cpu = Profile(**{**FLAT.to_dict(), "rng_bandwidth": 1e9, "fault_seconds": 1e-10,
+                     "cache_bandwidth": [[1e6, 100e9], [1e8, 20e9]]})
+    fwd = ("forward",)
+
+    def busy(profile, *op):
+        return phase_seconds(profile, _table(*op), fwd) - profile.op_overhead
+
+    assert busy(FLAT, "f32", 1e8) == pytest.approx(1e8 / 20e9)
+    assert busy(cpu, "f32", 1e6) == pytest.approx(1e6 / 100e9)  # from cache
+    assert busy(cpu, "f32", 1e8) == pytest.approx(1e8 / 20e9)
+    assert busy(cpu, "rng", 1e8) == pytest.approx(1e8 / 1e9)  # dropout: 20x a copy of the same bytes
+    small, large = LARGE_ALLOC // 2, LARGE_ALLOC * 2
+    assert busy(cpu, "f32", 1e8, small) == pytest.approx(1e8 / 20e9)  # reused from the heap
+    assert busy(cpu, "f32", 1e8, large) == pytest.approx(1e8 / 20e9 + large * 1e-10)  # mapped afresh
+    assert busy(cpu, "view", 1e8, large) == 0
+
+
+def test_traced_ops_record_dropout_and_fresh_allocations():
+    import torch
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Dropout(0.1), torch.nn.Linear(256, 8))
+
+    wl = memfit.Workload(model=model, batch=lambda n: (torch.randn(n, 64), torch.randint(0, 8, (n,))),
+                         loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), name="dropout-mlp")
+    ops = memfit.estimate(wl, Config(micro_batch=32)).ops
+    assert "rng" in ops["kind"]
+    assert len(ops["alloc"]) == len(ops["kind"])
+    # the first Linear's output (32 x 256 fp32) is one fresh allocation of exactly its size
+    assert 32 * 256 * 4 in ops["alloc"]
+    assert all(a == 0 for a, k in zip(ops["alloc"], ops["kind"]) if k == "view")
+
+
+def test_a_profile_from_an_older_memfit_is_measured_again(tmp_path, monkeypatch):
+    from memfit.planner.costmodel import load_profile, save_profile
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    save_profile(FLAT, "cpu")
+    assert load_profile("cpu") == FLAT
+    old = FLAT.to_dict()
+    for new_field in ("version", "cache_bandwidth", "rng_bandwidth", "fault_seconds"):
+        old.pop(new_field)
+    (tmp_path / "profile-cpu.json").write_text(json.dumps(old))
+    assert load_profile("cpu") is None
+    (tmp_path / "profile-cpu.json").write_text("{not json")
+    assert load_profile("cpu") is None

@@ -65,7 +65,7 @@ class Estimate:
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
     phase_peaks: dict = dataclasses.field(default_factory=dict)  # phase -> highest live bytes in it
     blocks: list = dataclasses.field(default_factory=list)       # the model's repeated blocks (checkpointing units)
-    ops: dict = dataclasses.field(default_factory=dict)  # per-op "flops", "bytes", "kind": the step-time model's input
+    ops: dict = dataclasses.field(default_factory=dict)  # per-op records: the step-time model's input
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -98,6 +98,24 @@ def estimate(workload: Workload, config: Config | None = None, device: str | Dev
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = f"{type(fake_error).__name__}: {str(fake_error).splitlines()[0] if str(fake_error) else ''}"
     return run(lambda: _fallback(workload, config, dev, reason))
+
+
+def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu") -> int:
+    """What a step keeps on the device between steps (parameters, buffers, gradients, optimizer state; the
+    CUDA context and cuBLAS workspace on a GPU), from an optimizer primed on fake tensors without a
+    forward or backward pass: a floor that no micro-batch or checkpointing goes under, in seconds even for
+    a 7B model. The planner skips families whose floor is already over the budget."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    with new_fake_mode(), quiet_fake_errors():
+        with SameModeDeepcopy():
+            step = TrainStep(workload, config, "cpu")
+        step.prime()
+        host = {t.untyped_storage()._cdata for t in step.host_tensors()}
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in step.state_tensors()}
+    total = sum(n for address, n in storages.items() if address not in host)
+    if dev.kind == "cuda":
+        total += dev.context_bytes + dev.cublas_workspace_bytes
+    return total
 
 
 # ------------------------------------------------------------------------------------------- the trace
@@ -172,8 +190,8 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     est = _summarise(workload, step.config, dev, tracker, labels, model_state, n_params, notes)
     est.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
-    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "kind": tracker.op_kind,
-               "phase": tracker.op_phase}
+    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "alloc": tracker.op_alloc,
+               "kind": tracker.op_kind, "phase": tracker.op_phase}
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)
     if cuda_target:

@@ -62,10 +62,13 @@ class LiveBytes(TorchDispatchMode):
         self._next_uid = 0
         self.phase = "setup"
         self.flops_by_module: dict[str, int] = {}
-        # one record per op for the step-time model: FLOPs, bytes read + written, matmul dtype, host side
+        # one record per op for the step-time model: FLOPs, bytes read + written, largest new storage, kind
         self.op_flops: list[int] = []
         self.op_bytes: list[int] = []
-        self.op_kind: list[str] = []  # "f32" | "lp" (bf16/fp16) | "view" | "host" | "link" (host<->device copy)
+        self.op_alloc: list[int] = []  # a CPU pays page faults on large fresh allocations
+        # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers: far slower than a copy on a CPU)
+        # | "host" | "link" (host<->device copy)
+        self.op_kind: list[str] = []
         self.op_phase: list[str] = []
         self.phase_peaks: dict[str, int] = {}  # the highest live total seen in each phase
         self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
@@ -184,17 +187,26 @@ class LiveBytes(TorchDispatchMode):
 
 
     def _record_op(self, func, args, kwargs, out, flops: int) -> None:
+        """Called before the outputs are counted, so storages not yet known are the op's new allocations."""
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        alloc = 0
         if getattr(func, "is_view", False):
             kind, moved = "view", 0
         else:
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             moved = sum(t.numel() * t.element_size() for t in ins + outs)
+            alloc = max((t.untyped_storage().nbytes() for t in outs
+                         if t.untyped_storage()._cdata not in self._uids), default=0)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
-            host = on_host_side()
-            kind = ("link" if func is torch.ops.aten.copy_.default else "host") if host else ("lp" if low else "f32")
+            if on_host_side():
+                kind = "link" if func is torch.ops.aten.copy_.default else "host"
+            elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                kind = "rng"
+            else:
+                kind = "lp" if low else "f32"
         self.op_flops.append(flops)
         self.op_bytes.append(moved)
+        self.op_alloc.append(alloc)
         self.op_kind.append(kind)
         self.op_phase.append(self.phase)
 

@@ -1,11 +1,14 @@
 """Step time from a traced step: a roofline per op, with measured (or catalogue) device rates.
 
-Every aten op of the traced step is one record (FLOPs, bytes read and written, dtype kind, phase). An op
-takes max(its matmul time at that size, its bytes / memory bandwidth) plus a fixed dispatch overhead. Matmul
-time comes from a curve of single matmuls timed at several sizes, so the efficiency lost by small
-micro-batches is in the model. On a CPU ops run back to back; on a GPU the host's dispatch overlaps the
-kernels, so the step takes the longer of the two. Offloaded work runs at the host's rates, and the bytes
-it moves cross the host link.
+Every aten op of the traced step is one record (FLOPs, bytes read and written, its largest new allocation,
+kind, phase). An op takes max(its matmul time at that size, its bytes / memory bandwidth) plus a fixed
+dispatch overhead. Matmul time comes from a curve of single matmuls timed at several sizes, so the
+efficiency lost by small micro-batches is in the model; on a CPU bandwidth is a curve too (small ops run
+from cache, 3x faster than large ones), random-number ops (dropout) run at their own, much lower rate, and
+a large fresh allocation pays its page faults (glibc returns every allocation over 32 MiB to the kernel
+when it is freed). On a CPU ops run back to back; on a GPU the host's dispatch overlaps the kernels, so
+the step takes the longer of the two. Offloaded work runs at the host's rates, and the bytes it moves cross
+the host link.
 """
 from __future__ import annotations
 
@@ -21,6 +24,12 @@ from pathlib import Path
 import torch
 
 from memfit.memory.devices import Device
+from memfit.memory.tracker import LiveBytes
+
+PROFILE_VERSION = 2  # a cached profile of another version is measured again
+# glibc's mmap threshold adapts up to 32 MiB; larger blocks are mapped fresh and unmapped on free, so every
+# step touches their pages anew (minor faults, the kernel zeroing each page)
+LARGE_ALLOC = 32 * 2**20
 
 
 @dataclasses.dataclass
@@ -33,26 +42,40 @@ class Profile:
     op_overhead: float         # seconds of host time per op (dispatch, autograd bookkeeping)
     link_bandwidth: float      # host <-> device bytes/s (inf on a CPU: nothing crosses)
     host: dict | None = None   # the host's Profile (as a dict) for offloaded work; None on a CPU
+    cache_bandwidth: list | None = None  # [[bytes moved, bytes/s], ...] by op size; None: `bandwidth` for all
+    rng_bandwidth: float | None = None   # bytes/s moved by dropout; None: as any other op
+    fault_seconds: float = 0.0           # per byte of a fresh allocation over LARGE_ALLOC (a CPU's page faults)
+    version: int = PROFILE_VERSION
 
     def matmul_seconds(self, kind: str, flops: torch.Tensor) -> torch.Tensor:
-        """Log-log interpolation of the measured curve; beyond its ends, the end rates."""
-        pts = torch.tensor(self.matmul["lp" if kind == "lp" else "f32"], dtype=torch.float64)
-        if len(flops) == 0:
-            return flops
-        lf, lt = pts[:, 0].log(), pts[:, 1].log()
-        x = flops.clamp(min=1).log()
-        i = torch.searchsorted(lf, x).clamp(1, len(lf) - 1)
-        w = (x - lf[i - 1]) / (lf[i] - lf[i - 1])
-        inside = (lt[i - 1] + w * (lt[i] - lt[i - 1])).exp()
-        low = flops / (pts[0, 0] / pts[0, 1])
-        high = flops / (pts[-1, 0] / pts[-1, 1])
-        return torch.where(x < lf[0], low, torch.where(x > lf[-1], high, inside))
+        return _curve_seconds(self.matmul["lp" if kind == "lp" else "f32"], flops)
+
+    def memory_seconds(self, nbytes: torch.Tensor) -> torch.Tensor:
+        if not self.cache_bandwidth:
+            return nbytes / self.bandwidth
+        return _curve_seconds([[b, b / rate] for b, rate in self.cache_bandwidth], nbytes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-KINDS = {"f32": 0, "lp": 1, "view": 2, "host": 3, "link": 4}
+def _curve_seconds(points: list, amount: torch.Tensor) -> torch.Tensor:
+    """Seconds for `amount` (FLOPs or bytes) by log-log interpolation of measured [amount, seconds] points;
+    beyond the ends, the end rates."""
+    pts = torch.tensor(points, dtype=torch.float64)
+    if len(amount) == 0:
+        return amount
+    la, lt = pts[:, 0].log(), pts[:, 1].log()
+    x = amount.clamp(min=1).log()
+    i = torch.searchsorted(la, x).clamp(1, len(la) - 1)
+    w = (x - la[i - 1]) / (la[i] - la[i - 1])
+    inside = (lt[i - 1] + w * (lt[i] - lt[i - 1])).exp()
+    low = amount / (pts[0, 0] / pts[0, 1])
+    high = amount / (pts[-1, 0] / pts[-1, 1])
+    return torch.where(x < la[0], low, torch.where(x > la[-1], high, inside))
+
+
+KINDS = {"f32": 0, "lp": 1, "view": 2, "rng": 3, "host": 4, "link": 5}  # device-side kinds first
 PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
@@ -62,6 +85,7 @@ class OpTable:
     def __init__(self, ops: dict):
         self.flops = torch.tensor(ops["flops"], dtype=torch.float64)
         self.bytes = torch.tensor(ops["bytes"], dtype=torch.float64)
+        self.alloc = torch.tensor(ops.get("alloc") or [0] * len(ops["bytes"]), dtype=torch.float64)
         self.kind = torch.tensor([KINDS[k] for k in ops["kind"]], dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops["phase"]], dtype=torch.int8)
 
@@ -72,31 +96,37 @@ class OpTable:
         return m
 
 
-def _device_seconds(profile: Profile, flops, nbytes, kind) -> torch.Tensor:
-    busy = nbytes / profile.bandwidth
+def _device_seconds(profile: Profile, flops, nbytes, alloc, kind) -> torch.Tensor:
+    busy = profile.memory_seconds(nbytes)
+    if profile.rng_bandwidth:
+        busy = torch.where(kind == KINDS["rng"], nbytes / profile.rng_bandwidth, busy)
     for name in ("f32", "lp"):  # only ops that do FLOPs consult the matmul curve
         sel = ((kind == KINDS[name]) & (flops > 0)).nonzero().flatten()
         if len(sel):
             busy[sel] = torch.maximum(busy[sel], profile.matmul_seconds(name, flops[sel]))
+    if profile.fault_seconds:
+        busy = busy + torch.where(alloc > LARGE_ALLOC, alloc * profile.fault_seconds, 0.0)
     return torch.where(kind == KINDS["view"], torch.zeros_like(busy), busy)
 
 
-def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flops=None, nbytes=None) -> float:
-    """Seconds of the ops in `phases`; `flops` / `nbytes` optionally replace the table's (scaled probes).
-    Host-side ops (offloaded optimizer) run at the host's rates; host<->device copies are priced by the
-    link, from the moved bytes, not here."""
+def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flops=None, nbytes=None,
+                  alloc=None) -> float:
+    """Seconds of the ops in `phases`; `flops` / `nbytes` / `alloc` optionally replace the table's (scaled
+    probes). Host-side ops (offloaded optimizer) run at the host's rates; host<->device copies are priced
+    by the link, from the moved bytes, not here."""
     flops = table.flops if flops is None else flops
     nbytes = table.bytes if nbytes is None else nbytes
+    alloc = table.alloc if alloc is None else alloc
     sel = table.mask(phases)
-    dev = sel & (table.kind <= KINDS["view"])
+    dev = sel & (table.kind <= KINDS["rng"])
     host = sel & (table.kind == KINDS["host"])
-    busy = float(_device_seconds(profile, flops[dev], nbytes[dev], table.kind[dev]).sum())
+    busy = float(_device_seconds(profile, flops[dev], nbytes[dev], alloc[dev], table.kind[dev]).sum())
     dispatch = int(dev.sum()) * profile.op_overhead
     device = max(busy, dispatch) if profile.kind == "cuda" else busy + dispatch
     hp = Profile(**profile.host) if profile.host else profile
     f32 = torch.zeros(int(host.sum()), dtype=torch.int8)
-    host_s = float(_device_seconds(hp, flops[host], nbytes[host], f32).sum()) + int(host.sum()) * hp.op_overhead
-    return device + host_s
+    host_s = float(_device_seconds(hp, flops[host], nbytes[host], alloc[host], f32).sum())
+    return device + host_s + int(host.sum()) * hp.op_overhead
 
 
 def step_seconds(profile: Profile, estimate, micro_steps: float = 1.0) -> float:
@@ -133,7 +163,8 @@ def _time(fn, min_seconds: float = 0.02, rounds: int = 5, sync=lambda: None) -> 
 
 def calibrate(device: str = "cpu") -> Profile:
     """Measure this machine's device: matmul time at several sizes in fp32 and bf16 (on many CPUs bf16 is
-    slower), copy bandwidth, per-op overhead and (GPU) the pinned host link. A few seconds."""
+    slower), copy bandwidth by size, dropout's rate, page faults, per-op overhead and (GPU) the pinned
+    host link. A few seconds."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sizes = [32, 64, 128, 256, 512, 1024] + ([2048, 4096] if dev.type == "cuda" else [])
@@ -145,14 +176,25 @@ def calibrate(device: str = "cpu") -> Profile:
             b = torch.randn(n, n, device=dev, dtype=dtype)
             pts.append([2.0 * n ** 3, _time(lambda: a @ b, sync=sync)])
         curves[kind] = pts
-    x = torch.empty(16 * 2**20, device=dev)  # 64 MiB
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() * 4 / _time(lambda: y.copy_(x), sync=sync)
-    tiny = torch.zeros(1, device=dev)
-    overhead = _time(lambda: [tiny.add_(1) for _ in range(200)], sync=sync) / 200
+    cache = []
+    for mib in (0.25, 1, 4, 16, 64, 256):  # from inside L2 to far beyond any cache
+        x = torch.ones(int(mib * 2**18), device=dev)
+        y = torch.empty_like(x)
+        moved = 2 * x.numel() * 4  # read + written, as the tracker counts an op's bytes
+        cache.append([moved, moved / _time(lambda: y.copy_(x), sync=sync)])
+    del x, y
+    bandwidth = cache[-1][1]
+    x = torch.ones(4 * 2**20, device=dev)  # 16 MiB, dropout as in training: input + output + mask
+    rng = (2 * x.numel() * 4 + x.numel()) / _time(lambda: torch.ops.aten.native_dropout(x, 0.1, True), sync=sync)
+    faults = 0.0
+    if dev.type == "cpu":  # a fresh 64 MiB block against the same block reused
+        n = 16 * 2**20
+        big = torch.empty(n)
+        reused = _time(lambda: big.fill_(1.0))
+        fresh = _time(lambda: torch.empty(n).fill_(1.0))
+        faults = max(0.0, fresh - reused) / (n * 4)
     link = math.inf
     host = None
-    name = "cpu"
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
         pinned = torch.empty(64 * 2**20, pin_memory=True)
@@ -163,7 +205,28 @@ def calibrate(device: str = "cpu") -> Profile:
         name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     stamp = datetime.date.today().isoformat()
     return Profile(device=name, kind=dev.type, source=f"calibrated on this machine, {stamp}", matmul=curves,
-                   bandwidth=bandwidth, op_overhead=overhead, link_bandwidth=link, host=host)
+                   bandwidth=bandwidth, op_overhead=_op_overhead(dev, sync), link_bandwidth=link, host=host,
+                   cache_bandwidth=cache, rng_bandwidth=rng, fault_seconds=faults)
+
+
+def _op_overhead(dev: torch.device, sync) -> float:
+    """Host seconds per op of a real training step on tiny tensors: dispatch plus autograd's graph
+    building and module calls, counted the way the tracker counts a step's ops. A bare op on a tiny
+    tensor costs less than half of it, and pricing ops at that made small micro-batches look cheap."""
+    layers = []
+    for _ in range(20):
+        layers += [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(dev)
+    x = torch.randn(2, 8, device=dev)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    counter = LiveBytes(dev.type)
+    with counter:
+        step()
+    return _time(step, sync=sync) / len(counter.op_kind)
 
 
 # A GPU server's host, for offloaded work when the GPU is only a catalogue entry (this machine's CPU is
@@ -208,9 +271,11 @@ def load_profile(key: str) -> Profile | None:
     if not path.is_file():
         return None
     try:
-        return Profile(**json.loads(path.read_text()))
-    except (ValueError, TypeError):
-        return None  # a stale or damaged profile is simply measured again
+        data = json.loads(path.read_text())
+        # a damaged profile, or one measured by an older memfit, is simply measured again
+        return Profile(**data) if data.get("version") == PROFILE_VERSION else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def profile_for(dev: Device) -> Profile:

@@ -15,7 +15,7 @@ import math
 
 from memfit.config import Config, ConfigError
 from memfit.memory.devices import Device, get_device
-from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate, run_isolated_many
+from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate, run_isolated_many, state_bytes
 from memfit.planner.costmodel import OpTable, Profile, phase_seconds, profile_for, step_seconds
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
@@ -113,8 +113,9 @@ class _Family:
         t1, t2 = self._tables
         flops = self._line(t1.flops, t2.flops, m).clamp(min=0)
         nbytes = self._line(t1.bytes, t2.bytes, m).clamp(min=0)
-        micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes)
-        rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes)
+        alloc = self._line(t1.alloc, t2.alloc, m).clamp(min=0)
+        micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
+        rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
         moved = self._line(e1.moved_bytes, e2.moved_bytes, m) if profile.kind == "cuda" else 0.0
         return accum * micro + rest + accum * moved / profile.link_bandwidth
 
@@ -164,13 +165,29 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         opts = [offload_optimizer] if offload_optimizer is not None else [False, True]
         offloads = [(a, o) for a in acts for o in opts]
 
+    if "fp16" in precisions and any(opt for _, opt in offloads):
+        if offload_optimizer:
+            raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
+        notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
     bases = [Config(micro_batch=max(PROBES), precision=p, checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt)
              for p in precisions for ck in checkpoints for act, opt in offloads
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and checkpoint is None)]
+             if not (act and ck != "none" and checkpoint is None) and not (p == "fp16" and opt)]
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
+    smallest_need: dict[str, int] = {}
+    # what stays between steps (weights, gradients, optimizer state) is a floor that costs no forward or
+    # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
+    states = sorted({(b.precision, b.offload_optimizer) for b in bases})
+    floors = dict(zip(states, _run_isolated(functools.partial(_state_floors, workload, states, dev))))
+    for b in list(bases):
+        floor = floors[(b.precision, b.offload_optimizer)]
+        if floor > usable:
+            bases.remove(b)
+            smallest_need[_family_name(b)] = floor
+            verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
+                                              f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
     traced = run_isolated_many([functools.partial(_traces, workload, b, dev, True, list(PROBES)) for b in bases])
     for base, (kind, value) in zip(bases, traced):
         if kind == "ok":
@@ -180,8 +197,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         else:
             raise value
 
+    families_by_name = {_family_name(b) for b in families}
     candidates: list[Candidate] = []
-    smallest_need: dict[str, int] = {}
     for base, fam in families.items():
         name = _family_name(base)
         for m in _micro_batches(global_batch, micro_batch):
@@ -214,9 +231,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                                  f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
         confirmed.sort(key=lambda c: c.step_seconds)
     if not confirmed:
-        need = min(smallest_need.values()) if smallest_need else None
-        hint = (f"the smallest configuration tried needs about {fmt_bytes(need / (1 - MARGIN))} of budget"
-                if need else "no family could be traced")
+        if not smallest_need:
+            hint = "no family could be traced"
+        else:
+            name = min(smallest_need, key=smallest_need.get)
+            hint = (f"the smallest configuration tried needs {'about' if name in families_by_name else 'at least'} "
+                    f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
         raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
                         f"{global_batch}: {hint}; a shorter sequence or a larger world size would also help")
     best = confirmed[0]
@@ -240,6 +260,10 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
                 samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
                 alternatives=alternatives, families=verdicts, profile_source=profile.source, notes=notes)
+
+
+def _state_floors(workload: Workload, states: list[tuple[str, bool]], dev: Device) -> list[int]:
+    return [state_bytes(workload, Config(precision=p, offload_optimizer=o), dev) for p, o in states]
 
 
 def _confirm(workload: Workload, config: Config, dev: Device) -> Estimate:
