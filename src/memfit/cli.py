@@ -150,7 +150,7 @@ def cmd_calibrate(args) -> int:
         print(f"{profile.device}: matmul up to {best['f32'] / 1e9:.1f} GFLOP/s fp32, {best['lp'] / 1e9:.1f} GFLOP/s "
               f"bf16; copy {profile.bandwidth / 1e9:.1f} GB/s (from cache up to "
               f"{max(r for _, r in profile.cache_bandwidth) / 1e9:.1f}); dropout "
-              f"{profile.rng_bandwidth / 1e9:.2f} GB/s; {profile.op_overhead * 1e6:.1f} us per op"
+              f"{1e9 / profile.rng_rate:.1f} ns per random number; {profile.op_overhead * 1e6:.1f} us per op"
               + (f"; page faults {profile.fault_seconds * 2**30 * 1e3:.0f} ms per fresh GiB" if profile.fault_seconds
                  else "")
               + (f"; host link {profile.link_bandwidth / 1e9:.1f} GB/s" if profile.kind == "cuda" else "")

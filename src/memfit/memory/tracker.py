@@ -66,7 +66,7 @@ class LiveBytes(TorchDispatchMode):
         self.op_flops: list[int] = []
         self.op_bytes: list[int] = []
         self.op_alloc: list[int] = []  # a CPU pays page faults on large fresh allocations
-        # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers: far slower than a copy on a CPU)
+        # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers, their count as FLOPs: ~6 ns each on a CPU)
         # | "host" | "link" (host<->device copy)
         self.op_kind: list[str] = []
         self.op_phase: list[str] = []
@@ -201,7 +201,8 @@ class LiveBytes(TorchDispatchMode):
             if on_host_side():
                 kind = "link" if func is torch.ops.aten.copy_.default else "host"
             elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-                kind = "rng"
+                # a random number costs the same whatever its dtype: the work recorded is how many are drawn
+                kind, flops = "rng", max((t.numel() for t in outs), default=0)
             else:
                 kind = "lp" if low else "f32"
         self.op_flops.append(flops)

@@ -4,7 +4,8 @@ Every aten op of the traced step is one record (FLOPs, bytes read and written, i
 kind, phase). An op takes max(its matmul time at that size, its bytes / memory bandwidth) plus a fixed
 dispatch overhead. Matmul time comes from a curve of single matmuls timed at several sizes, so the
 efficiency lost by small micro-batches is in the model; on a CPU bandwidth is a curve too (small ops run
-from cache, 3x faster than large ones), random-number ops (dropout) run at their own, much lower rate, and
+from cache, 3x faster than large ones), random-number ops (dropout) cost per number drawn (~6 ns each,
+whatever the dtype: a bf16 dropout is not half the price of an fp32 one), and
 a large fresh allocation pays its page faults (glibc returns every allocation over 32 MiB to the kernel
 when it is freed). On a CPU ops run back to back; on a GPU the host's dispatch overlaps the kernels, so
 the step takes the longer of the two. Offloaded work runs at the host's rates, and the bytes it moves cross
@@ -26,7 +27,7 @@ import torch
 from memfit.memory.devices import Device
 from memfit.memory.tracker import LiveBytes
 
-PROFILE_VERSION = 2  # a cached profile of another version is measured again
+PROFILE_VERSION = 3  # a cached profile of another version is measured again
 # glibc's mmap threshold adapts up to 32 MiB; larger blocks are mapped fresh and unmapped on free, so every
 # step touches their pages anew (minor faults, the kernel zeroing each page)
 LARGE_ALLOC = 32 * 2**20
@@ -43,7 +44,7 @@ class Profile:
     link_bandwidth: float      # host <-> device bytes/s (inf on a CPU: nothing crosses)
     host: dict | None = None   # the host's Profile (as a dict) for offloaded work; None on a CPU
     cache_bandwidth: list | None = None  # [[bytes moved, bytes/s], ...] by op size; None: `bandwidth` for all
-    rng_bandwidth: float | None = None   # bytes/s moved by dropout; None: as any other op
+    rng_rate: float | None = None        # random numbers drawn per second (dropout); None: bytes at bandwidth
     fault_seconds: float = 0.0           # per byte of a fresh allocation over LARGE_ALLOC (a CPU's page faults)
     version: int = PROFILE_VERSION
 
@@ -98,9 +99,9 @@ class OpTable:
 
 def _device_seconds(profile: Profile, flops, nbytes, alloc, kind) -> torch.Tensor:
     busy = profile.memory_seconds(nbytes)
-    if profile.rng_bandwidth:
-        busy = torch.where(kind == KINDS["rng"], nbytes / profile.rng_bandwidth, busy)
-    for name in ("f32", "lp"):  # only ops that do FLOPs consult the matmul curve
+    if profile.rng_rate:
+        busy = torch.where(kind == KINDS["rng"], torch.maximum(busy, flops / profile.rng_rate), busy)
+    for name in ("f32", "lp"):  # only ops that do FLOPs consult the matmul curve (rng's FLOPs are draws)
         sel = ((kind == KINDS[name]) & (flops > 0)).nonzero().flatten()
         if len(sel):
             busy[sel] = torch.maximum(busy[sel], profile.matmul_seconds(name, flops[sel]))
@@ -184,8 +185,8 @@ def calibrate(device: str = "cpu") -> Profile:
         cache.append([moved, moved / _time(lambda: y.copy_(x), sync=sync)])
     del x, y
     bandwidth = cache[-1][1]
-    x = torch.ones(4 * 2**20, device=dev)  # 16 MiB, dropout as in training: input + output + mask
-    rng = (2 * x.numel() * 4 + x.numel()) / _time(lambda: torch.ops.aten.native_dropout(x, 0.1, True), sync=sync)
+    x = torch.ones(4 * 2**20, device=dev)  # CPU dropout draws its mask with bernoulli_, per element
+    rng = x.numel() / _time(lambda: x.bernoulli_(0.9), sync=sync)
     faults = 0.0
     if dev.type == "cpu":  # a fresh 64 MiB block against the same block reused
         n = 16 * 2**20
@@ -206,7 +207,7 @@ def calibrate(device: str = "cpu") -> Profile:
     stamp = datetime.date.today().isoformat()
     return Profile(device=name, kind=dev.type, source=f"calibrated on this machine, {stamp}", matmul=curves,
                    bandwidth=bandwidth, op_overhead=_op_overhead(dev, sync), link_bandwidth=link, host=host,
-                   cache_bandwidth=cache, rng_bandwidth=rng, fault_seconds=faults)
+                   cache_bandwidth=cache, rng_rate=rng, fault_seconds=faults)
 
 
 def _op_overhead(dev: torch.device, sync) -> float:
