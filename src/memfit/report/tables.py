@@ -101,6 +101,10 @@ def _fmt_flops(n: int) -> str:
     return f"{n} FLOP" if n else "-"
 
 
+def _fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
+
+
 def plan_view(plan) -> Group:
     cfg = plan.config
     head = Text.assemble(
@@ -108,14 +112,14 @@ def plan_view(plan) -> Group:
                                  f" · budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
         ("chosen: ", "bold"), (_config_line(cfg.to_dict()), "bold cyan"),
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
-        f" · step {plan.step_seconds * 1e3:.1f} ms · {plan.samples_per_second:.1f} samples/s",
+        f" · step {_fmt_seconds(plan.step_seconds)} · {plan.samples_per_second:.3g} samples/s",
     )
     alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
     for col in ("configuration", "peak", "step", "vs chosen"):
         alts.add_column(col, justify="left" if col == "configuration" else "right")
     for c in plan.alternatives:
         alts.add_row(_config_line(c.config.to_dict()) + ("" if c.confirmed else " *"), fmt_bytes(c.peak_bytes),
-                     f"{c.step_seconds * 1e3:.1f} ms", f"{c.step_seconds / plan.step_seconds:.2f}x")
+                     _fmt_seconds(c.step_seconds), f"{c.step_seconds / plan.step_seconds:.2f}x")
     fams = Table(title="by family", title_justify="left", show_edge=False)
     fams.add_column("family")
     fams.add_column("verdict")
