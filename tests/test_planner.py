@@ -191,3 +191,16 @@ def test_families_over_budget_by_their_state_alone_are_not_traced(gpt):
     verdicts = dict(p.families)
     assert verdicts["bf16, checkpoint all"].startswith("does not fit: weights, gradients and optimizer state alone")
     assert "chosen" in verdicts["bf16, checkpoint all, optimizer offload"]
+
+
+def test_a_workload_that_raises_is_one_clear_error():
+    import torch
+
+    from memfit.workload import WorkloadError
+
+    def model():
+        raise RuntimeError("boom")
+
+    wl = memfit.Workload(model=model, batch=lambda n: torch.randn(n, 4), loss=lambda m, b: m(b).sum())
+    with pytest.raises(WorkloadError, match="raised: RuntimeError: boom"):
+        plan(wl, 8, budget="1GiB", profile=FLAT)

@@ -86,7 +86,7 @@ class OpTable:
     def __init__(self, ops: dict):
         self.flops = torch.tensor(ops["flops"], dtype=torch.float64)
         self.bytes = torch.tensor(ops["bytes"], dtype=torch.float64)
-        self.alloc = torch.tensor(ops.get("alloc") or [0] * len(ops["bytes"]), dtype=torch.float64)
+        self.alloc = torch.tensor(ops["alloc"], dtype=torch.float64)
         self.kind = torch.tensor([KINDS[k] for k in ops["kind"]], dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops["phase"]], dtype=torch.int8)
 

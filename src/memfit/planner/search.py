@@ -15,10 +15,11 @@ import math
 
 from memfit.config import Config, ConfigError
 from memfit.memory.devices import Device, get_device
-from memfit.memory.estimate import Estimate, _run_isolated, _traces, estimate, run_isolated_many, state_bytes
+from memfit.memory.estimate import (Estimate, EstimateError, _run_isolated, _traces, estimate, run_isolated_many,
+                                    state_bytes)
 from memfit.planner.costmodel import OpTable, Profile, phase_seconds, profile_for, step_seconds
 from memfit.units import fmt_bytes, parse_size
-from memfit.workload import Workload
+from memfit.workload import Workload, WorkloadError
 
 MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
 PROBES = (1, 2)
@@ -163,26 +164,26 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     else:
         acts = [offload_activations] if offload_activations is not None else [False, True]
         opts = [offload_optimizer] if offload_optimizer is not None else [False, True]
+        if precisions == ["fp16"] and offload_optimizer is None:  # if the user fixes both, Config says why not
+            opts = [False]
+            notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
-
-    if "fp16" in precisions and any(opt for _, opt in offloads):
-        if offload_optimizer:
-            raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
-        notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
     bases = [Config(micro_batch=max(PROBES), precision=p, checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt)
              for p in precisions for ck in checkpoints for act, opt in offloads
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and checkpoint is None) and not (p == "fp16" and opt)]
+             if not (act and ck != "none" and checkpoint is None)]
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
     smallest_need: dict[str, int] = {}
     # what stays between steps (weights, gradients, optimizer state) is a floor that costs no forward or
     # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
+    # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
     states = sorted({(b.precision, b.offload_optimizer) for b in bases})
-    floors = dict(zip(states, _run_isolated(functools.partial(_state_floors, workload, states, dev))))
+    [(kind, value)] = run_isolated_many([functools.partial(_state_floors, workload, states, dev)], workers=1)
+    floors = dict(zip(states, value)) if kind == "ok" else {}
     for b in list(bases):
-        floor = floors[(b.precision, b.offload_optimizer)]
+        floor = floors.get((b.precision, b.offload_optimizer), 0)
         if floor > usable:
             bases.remove(b)
             smallest_need[_family_name(b)] = floor
@@ -194,10 +195,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             families[base] = _Family(base, value)
         elif isinstance(value, ConfigError):
             verdicts.append((_family_name(base), f"cannot apply: {value}"))
-        else:
+        elif isinstance(value, (WorkloadError, EstimateError)):
             raise value
+        else:  # the workload's own code (or an op fake tensors lack) failed: say where
+            raise WorkloadError(f"tracing {_family_name(base)} at micro-batch {PROBES[0]} raised: "
+                                f"{type(value).__name__}: {value}") from value
 
-    families_by_name = {_family_name(b) for b in families}
     candidates: list[Candidate] = []
     for base, fam in families.items():
         name = _family_name(base)
@@ -235,7 +238,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             hint = "no family could be traced"
         else:
             name = min(smallest_need, key=smallest_need.get)
-            hint = (f"the smallest configuration tried needs {'about' if name in families_by_name else 'at least'} "
+            traced_need = any(_family_name(b) == name for b in families)  # else only its state floor is known
+            hint = (f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
                     f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
         raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
                         f"{global_batch}: {hint}; a shorter sequence or a larger world size would also help")
