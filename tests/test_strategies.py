@@ -1,5 +1,9 @@
 """Every strategy leaves the training math unchanged (numerics against the plain step), and bad
 configurations fail with one clear message before anything is applied."""
+import dataclasses
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +13,12 @@ import memfit
 from memfit import Config, ConfigError, Trainer, TrainStep
 from memfit.strategies.checkpoint import chosen_blocks, find_blocks
 from memfit.workloads import builtin
+
+sys.path.insert(0, os.path.dirname(__file__))
+from numerics import gpt_gradient_terms, sum_tolerance  # noqa: E402
+
+EPS32 = torch.finfo(torch.float32).eps
+SGD_LR = 0.1
 
 
 def _params(step) -> list[torch.Tensor]:
@@ -34,13 +44,66 @@ def gpt_batch(gpt):
     return gpt.batch(8)
 
 
+def _sgd(workload, optimizer=torch.optim.SGD):
+    """Plain SGD moves each parameter by lr x its gradient, so two runs' parameters differ by lr times their
+    gradients' rounding difference. AdamW would not do for a numerical comparison: it divides each gradient
+    by its own root mean square, so on a first step every entry moves by about lr whatever its size, and the
+    rounding noise of a 1e-9 gradient becomes a parameter difference of order lr."""
+    return dataclasses.replace(workload, optimizer=lambda params: optimizer(params, lr=SGD_LR))
+
+
+def _assert_same_step(reference, other, tokens):
+    """Gradients and SGD-stepped parameters of `other` equal `reference`'s up to the rounding of the sums
+    that differ between them (tests/numerics.py derives the bound from fp32's eps and the sums' sizes)."""
+    terms = gpt_gradient_terms(reference.model.cfg, tokens)
+    for (name, p), q in zip(reference.model.named_parameters(), other.model.parameters()):
+        tol = sum_tolerance(torch.float32, terms, p.grad.abs().max().item())
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=tol, msg=lambda m, name=name: f"grad {name}: {m}")
+        # lr x the gradients' difference, plus one rounding of p - lr*g
+        atol = SGD_LR * tol + EPS32 * p.detach().abs().max().item()
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _tokens(batch) -> int:
+    return batch["tokens"][:, 1:].numel()  # next-token loss: every position but the first is a target
+
+
 @pytest.mark.parametrize("micro,accum", [(2, 4), (4, 2), (3, 3)])
 def test_accumulation_matches_one_big_batch(gpt, gpt_batch, micro, accum):
     """(3, 3) splits 8 samples as 3 + 3 + 2: the uneven last micro-batch must be weighted by its size."""
-    big = _run(gpt, Config(micro_batch=8), gpt_batch)
-    acc = _run(gpt, Config(micro_batch=micro, grad_accum=accum), gpt_batch)
-    for a, b in zip(_params(big), _params(acc)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    wl = _sgd(gpt)
+    big = _run(wl, Config(micro_batch=8), gpt_batch)
+    acc = _run(wl, Config(micro_batch=micro, grad_accum=accum), gpt_batch)
+    _assert_same_step(big, acc, _tokens(gpt_batch))
+
+
+class _RoundingNoiseSGD(torch.optim.SGD):
+    """SGD that first moves every gradient entry by ±4 eps of its tensor's largest entry: what another
+    processor's kernels, blocking the same sums differently, may produce."""
+
+    def step(self, closure=None):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    signs = torch.arange(p.numel()).view_as(p).remainder(2) * 2.0 - 1.0
+                    p.grad += signs * 4 * EPS32 * p.grad.abs().max()
+        return super().step(closure)
+
+
+def test_the_comparison_tolerates_rounding_noise_and_catches_a_weighting_error(gpt, gpt_batch):
+    """The accumulation check above must pass on any machine and still fail for the bug it exists for."""
+    wl = _sgd(gpt)
+    big = _run(wl, Config(micro_batch=8), gpt_batch)
+    noisy = _run(_sgd(gpt, _RoundingNoiseSGD), Config(micro_batch=3, grad_accum=3), gpt_batch)
+    _assert_same_step(big, noisy, _tokens(gpt_batch))
+
+    def loss(model, batch):  # weights the last micro-batch (2 samples of 8) by 1/3 instead of 2/8
+        scale = (1 / 3) / (2 / 8) if batch["tokens"].shape[0] == 2 else 1.0
+        return gpt.loss(model, batch) * scale
+
+    wrong = _run(dataclasses.replace(wl, loss=loss), Config(micro_batch=3, grad_accum=3), gpt_batch)
+    with pytest.raises(AssertionError):
+        _assert_same_step(big, wrong, _tokens(gpt_batch))
 
 
 def test_accumulated_loss_is_the_global_mean(gpt, gpt_batch):
@@ -49,7 +112,8 @@ def test_accumulated_loss_is_the_global_mean(gpt, gpt_batch):
     expected = gpt.loss(model, gpt_batch).item()
     torch.manual_seed(0)
     got = TrainStep(gpt, Config(micro_batch=3, grad_accum=3), "cpu")(gpt_batch).item()
-    assert got == pytest.approx(expected, rel=1e-6)
+    rel = sum_tolerance(torch.float32, gpt_gradient_terms(model.cfg, _tokens(gpt_batch)), 1.0)
+    assert got == pytest.approx(expected, rel=rel)
 
 
 @pytest.mark.parametrize("changes", [
@@ -65,15 +129,16 @@ def test_recompute_and_activation_offload_are_bitwise_identical(gpt, gpt_batch, 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_optimizer_offload_matches_the_plain_step(gpt, gpt_batch, optimizer):
-    import dataclasses
     make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
             "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2)}[optimizer]
     wl = dataclasses.replace(gpt, optimizer=make)
     plain = _run(wl, Config(micro_batch=4, grad_accum=2), gpt_batch, steps=3)
     off = _run(wl, Config(micro_batch=4, grad_accum=2, offload_optimizer=True), gpt_batch, steps=3)
     assert off.optimizer_offload is not None
+    # On a CPU the offloaded optimizer runs the same elementwise kernels on copies of the same gradients (no
+    # sum is reordered), so anything but bit-identical parameters would be a change in the math.
     for a, b in zip(_params(plain), _params(off)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.equal(a, b)
     assert all(p.grad is None for p in off.model.parameters())  # gradients were streamed off the device
 
 
