@@ -20,7 +20,7 @@ import pytest
 
 import memfit
 from memfit.cli import main
-from memfit.units import fmt_bytes
+from memfit.units import fmt_bytes, fmt_number
 
 # ------------------------------------------------------------------------------------------ helpers
 
@@ -248,3 +248,25 @@ def test_console_script_error_is_one_line_on_the_real_stderr(tmp_path):
     path = _write(tmp_path, "loss_raises.py", LOSS_RAISES)
     r = _subprocess("estimate", f"{path}:workload", "--micro-batch", "2", cwd=tmp_path)
     _assert_one_line_error(r.returncode, r.stdout, r.stderr, "raised")
+
+
+# ------------------------------------------------------------------------------------------ numbers as printed
+
+
+def test_sizes_print_in_binary_units_without_exponents():
+    assert fmt_bytes(0) == "0 B" and fmt_bytes(999) == "999 B"
+    assert fmt_bytes(1.5 * 2**30) == "1.5 GiB" and fmt_bytes(-1.5 * 2**30) == "-1.5 GiB"
+    assert fmt_bytes(1000 * 2**20) == "0.977 GiB"    # was "1e+03 MiB"
+    assert fmt_bytes(1.32e3 * 2**40) == "1.29 PiB"   # was "1.32e+03 TiB"
+    assert fmt_bytes(3 * 2**60) == "3 EiB" and fmt_bytes(5000 * 2**60) == "5,000 EiB"
+    for exponent in range(0, 70):
+        assert "e" not in fmt_bytes(1.7 * 2**exponent).split()[0], exponent
+
+
+def test_rates_print_with_three_figures_grouped_not_in_scientific_notation():
+    assert fmt_number(2.62e5) == "262,000"           # was "2.62e+05 samples/s"
+    assert fmt_number(262144) == "262,000" and fmt_number(1234.5) == "1,230"
+    assert fmt_number(56.78) == "56.8" and fmt_number(1.0) == "1" and fmt_number(0.5) == "0.5"
+    assert fmt_number(999.7) == "1,000" and fmt_number(1.23e-5) == "0.0000123" and fmt_number(0) == "0"
+    for exponent in range(-8, 20):
+        assert "e" not in fmt_number(3.21 * 10**exponent), exponent

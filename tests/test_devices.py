@@ -96,6 +96,57 @@ def test_unknown_device_lists_known_names_on_one_line():
     assert "did you mean" not in str(err.value) and "h100" in str(err.value)
 
 
+@pytest.mark.parametrize("query, expected", [
+    ("h100-80gb", "h100"), ("h100-sxm", "h100"), ("H100 SXM5 80GB", "h100"), ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"), ("h100-pcie-80gb", "h100-pcie"), ("h200-141gb", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("a100-sxm4-40gb", "a100-40gb"), ("a100 40g", "a100-40gb"),
+    ("nvidia a100", "a100-80gb"), ("rtx4090", "rtx-4090"), ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+    ("Tesla T4", "t4"), ("Tesla V100-SXM2-16GB", "v100-16gb"), ("l40s-48gb", "l40s"),
+])
+def test_common_spellings_of_catalogue_cards(query, expected):
+    assert get_device(query) is DEVICES[expected]
+
+
+@pytest.mark.parametrize("query, listed", [
+    ("h100-nvl", ["h100 (NVIDIA H100 SXM5 80GB)", "h100-pcie"]),   # the 94GB NVL is another card
+    ("a100-pcie", ["a100-80gb", "a100-40gb"]),
+    ("h100-94gb", ["h100", "h100-pcie"]),
+])
+def test_a_variant_the_catalogue_lacks_is_not_mistaken_for_one_it_has(query, listed):
+    with pytest.raises(ValueError) as err:
+        get_device(query)
+    msg = str(err.value)
+    assert "not in memfit's catalogue" in msg and "did you mean" not in msg and "\n" not in msg
+    assert all(name in msg for name in listed)
+
+
+@pytest.mark.parametrize("query", ["mi300x", "rtx-4080", "h800", "gaudi2"])
+def test_a_card_not_in_the_catalogue_gets_the_list_not_a_guess(query):
+    with pytest.raises(ValueError) as err:
+        get_device(query)
+    msg = str(err.value)
+    assert "not in memfit's catalogue" in msg and "did you mean" not in msg
+    assert all(name in msg for name in EXPECTED)
+
+
+@pytest.mark.parametrize("query, meant", [("h1000", "h100"), ("rtx-4900", "rtx-4090"), ("a100-80bg", "a100-80gb"),
+                                          ("h100-pcei", "h100-pcie"), ("l40", "l40s"), ("h1000-80gb", "h100")])
+def test_a_slip_of_the_keyboard_gets_a_suggestion(query, meant):
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+        get_device(query)
+
+
+def test_spellings_agree_with_the_catalogue():
+    """Every entry is spelled, its memory and form factor are those its description gives, and a model word
+    shared by several entries picks one of them when typed alone (as "a100" does)."""
+    assert set(devices._SPELLINGS) == set(DEVICES)
+    for name, (model, gb, form) in devices._SPELLINGS.items():
+        words = DEVICES[name].description.lower().replace("-", " ").split()
+        assert model in words and f"{gb}gb" in words, name
+        assert form == "pcie" or any(w.startswith(form) for w in words), name
+        assert get_device(model).name in [k for k, (m, _, _) in devices._SPELLINGS.items() if m == model]
+
+
 def test_cpu_is_this_machine():
     cpu = get_device("cpu")
     assert isinstance(cpu, Device) and cpu.kind == "cpu" and cpu.name == "cpu"

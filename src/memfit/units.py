@@ -1,6 +1,7 @@
 """Byte sizes as people write them ("24GiB", "80GB", 1234) and as memfit prints them."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -28,11 +29,25 @@ def parse_size(value: int | float | str) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary units, three significant figures: what torch.cuda.memory_summary and nvidia-smi use."""
+    """Binary units, three significant figures: what torch.cuda.memory_summary and nvidia-smi use. Never an
+    exponent: from 1000 of a unit on, the next unit is used (0.977 GiB), and past EiB digits are grouped."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.3g} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if round(n) < 1000 or unit == "EiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{fmt_number(n)} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def fmt_number(x: float, digits: int = 3) -> str:
+    """`digits` significant figures as `g` gives them, but never an exponent and with thousands grouped:
+    262,000 and 0.0000123 where `g` prints 2.62e+05 and 1.23e-05. Rates such as samples/s print through this."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    decimals = digits - 1 - math.floor(math.log10(abs(x)))
+    x = round(x, decimals)
+    if x and digits - 1 - math.floor(math.log10(abs(x))) < decimals:  # rounding carried: 999.7 -> 1,000
+        decimals -= 1
+    text = f"{x:,.{max(decimals, 0)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text

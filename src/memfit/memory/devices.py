@@ -184,9 +184,27 @@ _NAME_PATTERNS = [
 ]
 
 
+# How people and drivers name each entry: (model word, memory as marketed in GB, form factor). A name that
+# gives the model word selects the entry; memory and form factor, where given, must agree with it.
+_SPELLINGS: dict[str, tuple[str, int, str]] = {
+    "h100": ("h100", 80, "sxm"), "h100-pcie": ("h100", 80, "pcie"), "h200": ("h200", 141, "sxm"),
+    "a100-80gb": ("a100", 80, "sxm"), "a100-40gb": ("a100", 40, "sxm"), "a10g": ("a10g", 24, "pcie"),
+    "rtx-3090": ("3090", 24, "pcie"), "l4": ("l4", 24, "pcie"), "l40s": ("l40s", 48, "pcie"),
+    "rtx-4090": ("4090", 24, "pcie"), "t4": ("t4", 16, "pcie"), "v100-32gb": ("v100", 32, "sxm"),
+    "v100-16gb": ("v100", 16, "sxm"),
+}
+# Words that do not tell the catalogue's cards apart: vendor, product line, memory technology.
+_NOISE = {"nvidia", "geforce", "rtx", "tesla", "gpu", "hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x"}
+
+
 def device_names() -> list[str]:
     """Catalogue keys, sorted (aliases, "cpu" and "cuda" excluded)."""
     return sorted(DEVICES)
+
+
+def aliases_of(name: str) -> list[str]:
+    """The short names that also select catalogue entry `name` (e.g. "a100" for "a100-80gb")."""
+    return sorted(alias for alias, key in ALIASES.items() if key == name)
 
 
 def _normalise(name: str) -> str:
@@ -194,9 +212,66 @@ def _normalise(name: str) -> str:
     return re.sub(r"-+", "-", key).strip("-")
 
 
+def _read_name(text: str) -> tuple[str | None, int | None, str | None, list[str]]:
+    """A card's name as (model word, memory in GB, form factor, words not understood):
+    "NVIDIA H100 80GB HBM3" -> ("h100", 80, None, []); "A100-SXM4-40GB" -> ("a100", 40, "sxm", [])."""
+    models = {model for model, _, _ in _SPELLINGS.values()}
+    model = memory = form = None
+    unknown = []
+    for word in re.findall(r"[a-z0-9]+", text.lower()):
+        word = re.sub(r"^rtx(?=\d)", "", word)  # rtx4090
+        size = re.fullmatch(r"(\d+)(?:gb|gib|g)?", word)
+        if word in _NOISE:
+            continue
+        if model is None and word in models:
+            model = word
+        elif memory is None and size and model is not None:
+            memory = int(size.group(1))
+        elif form is None and re.fullmatch(r"sxm\d?|pcie|nvl", word):
+            form = word.rstrip("0123456789")  # SXM2/4/5 are generations of one socket
+        else:
+            unknown.append(word)
+    return model, memory, form, unknown
+
+
+def _one_slip(typed: str, known: str) -> bool:
+    """Whether `typed` is `known` with one keystroke wrong: a character added, dropped or changed, or two
+    neighbours swapped. One digit changed into another is not a slip but another product (h200, rtx-4080)."""
+    if typed == known or min(len(typed), len(known)) < 3:
+        return False
+    if len(typed) == len(known):
+        diff = [i for i, (a, b) in enumerate(zip(typed, known)) if a != b]
+        if len(diff) == 1:
+            return not (typed[diff[0]].isdigit() and known[diff[0]].isdigit())
+        i = diff[0]
+        return len(diff) == 2 and diff[1] == i + 1 and typed[i] == known[i + 1] and typed[i + 1] == known[i]
+    short, long = sorted((typed, known), key=len)
+    return len(long) - len(short) == 1 and any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
+def _from_spelling(text: str) -> tuple[str | None, str]:
+    """(catalogue key, "") for a name that spells an entry out; (None, why not) otherwise."""
+    model, memory, form, unknown = _read_name(text)
+    if model is None or unknown:
+        return None, ""
+    entries = [k for k, (m, _, _) in _SPELLINGS.items() if m == model]
+    fits = [k for k in entries if memory in (None, _SPELLINGS[k][1]) and form in (None, _SPELLINGS[k][2])]
+    default = ALIASES.get(model, model)
+    if len(fits) > 1 and default in fits:
+        fits = [default]
+    if len(fits) == 1:
+        return fits[0], ""
+    listed = ", ".join(f"{k} ({DEVICES[k].description})" for k in (fits or entries))
+    if fits:
+        return None, f"it could be any of {listed}"
+    given = " ".join(x for x in (f"{memory}GB" if memory is not None else "", form or "") if x)
+    return None, f"it has no {model} {given}; its {model} cards: {listed}"
+
+
 def get_device(name: str) -> Device:
-    """Look a device up by catalogue name or alias. Case doesn't matter, and `_` or a space
-    counts as `-`. "cpu" describes this machine, and "cuda" or "cuda:N" the GPU present."""
+    """Look a device up by catalogue name, alias or a common spelling of the card ("h100-80gb", "h100 sxm",
+    "NVIDIA H100 80GB HBM3"). Case doesn't matter, and `_` or a space counts as `-`. "cpu" describes this
+    machine, and "cuda" or "cuda:N" the GPU present."""
     key = _normalise(name)
     if key == "cpu":
         return _host_cpu()
@@ -205,10 +280,25 @@ def get_device(name: str) -> Device:
     key = ALIASES.get(key, key)
     if key in DEVICES:
         return DEVICES[key]
-    known = ["cpu", "cuda"] + device_names()
-    close = difflib.get_close_matches(key, known + list(ALIASES), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown device {name!r}{hint}; known devices: {', '.join(known)}")
+    found, why = _from_spelling(key)
+    if found:
+        return DEVICES[found]
+    known = ", ".join(["cpu", "cuda"] + device_names())
+    if why:
+        raise ValueError(f"device {name!r} is not in memfit's catalogue: {why}")
+    # A suggestion only for a slip of the keyboard; a different card gets the list, not a misleading guess.
+    words = re.findall(r"[a-z0-9]+", key)
+    close = [k for k in ["cpu", "cuda", *device_names(), *ALIASES] if _one_slip(key, k)]
+    models = {m for m, _, _ in _SPELLINGS.values()}
+    for i, word in enumerate(words):
+        for model in sorted(models):
+            if _one_slip(word, model):
+                fixed, _ = _from_spelling(" ".join(words[:i] + [model] + words[i + 1:]))
+                close += [fixed] if fixed else []
+    if close:
+        raise ValueError(f"unknown device {name!r} (did you mean {close[0]!r}?); known devices: {known}")
+    raise ValueError(f"unknown device {name!r}: not in memfit's catalogue (`memfit list` shows it); "
+                     f"known devices: {known}")
 
 
 def _host_cpu() -> Device:

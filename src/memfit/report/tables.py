@@ -6,7 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.memory.estimate import CATEGORIES, Estimate
-from memfit.units import fmt_bytes
+from memfit.units import fmt_bytes, fmt_number
 
 _CATEGORY_TITLES = {
     "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
@@ -97,7 +97,7 @@ def summary_view(title: str, rows) -> Table:
 def _fmt_flops(n: int) -> str:
     for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}FLOP"
+            return f"{fmt_number(n / scale)} {unit}FLOP"
     return f"{n} FLOP" if n else "-"
 
 
@@ -112,7 +112,7 @@ def plan_view(plan) -> Group:
                                  f" · budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
         ("chosen: ", "bold"), (_config_line(cfg.to_dict()), "bold cyan"),
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
-        f" · step {_fmt_seconds(plan.step_seconds)} · {plan.samples_per_second:.3g} samples/s",
+        f" · step {_fmt_seconds(plan.step_seconds)} · {fmt_number(plan.samples_per_second)} samples/s",
     )
     alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
     for col in ("configuration", "peak", "step", "vs chosen"):
@@ -159,7 +159,7 @@ def run_view(result) -> Group:
     fmt_s = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"  # noqa: E731
     table.add_row("peak memory", fmt_b(r["predicted_peak_bytes"]), fmt_b(r["measured_peak_bytes"]))
     table.add_row("step time", fmt_s(r["predicted_step_seconds"]), fmt_s(r["measured_step_seconds"]))
-    table.add_row("samples/s", "", f"{r['samples_per_second']:.1f}" if r["samples_per_second"] else "-")
+    table.add_row("samples/s", "", fmt_number(r['samples_per_second']) if r["samples_per_second"] else "-")
     losses = [m["loss"] for m in result.metrics if "loss" in m]
     lines = [table]
     if losses:
