@@ -7,6 +7,7 @@ Only tiny models are used, so the whole file stays well under a minute on 2 core
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -248,6 +249,62 @@ def test_console_script_error_is_one_line_on_the_real_stderr(tmp_path):
     path = _write(tmp_path, "loss_raises.py", LOSS_RAISES)
     r = _subprocess("estimate", f"{path}:workload", "--micro-batch", "2", cwd=tmp_path)
     _assert_one_line_error(r.returncode, r.stdout, r.stderr, "raised")
+
+
+# ------------------------------------------------------------------------------------------ version, list, help
+
+
+def test_version_is_the_installed_package_version(tmp_path):
+    import importlib.metadata
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert memfit.__version__ == importlib.metadata.version("memfit") == pyproject["project"]["version"]
+    r = _subprocess("--version", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"memfit {memfit.__version__}"
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from memfit.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"estimate", "summary", "plan", "train", "calibrate", "list"} <= set(commands)
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}" for name, p in [("memfit", parser), *commands.items()]
+               for a in p._actions if not isinstance(a, argparse._SubParsersAction) and not (a.help or "").strip()]
+    assert not missing, f"options without help: {missing}"
+
+
+def test_list_shows_the_builtin_workloads_and_the_gpu_catalogue(capfd):
+    from memfit.memory.devices import DEVICES, get_device
+    from memfit.workloads import BUILTIN_NAMES, builtin
+
+    code, out, err = _run(capfd, "list", "--json")
+    assert code == 0, err
+    listing = json.loads(out)
+    workloads = {w["name"]: w for w in listing["workloads"]}
+    assert set(BUILTIN_NAMES) - {"hf:<model_type|config.json>"} <= set(workloads)
+    for name in ("gpt-tiny", "mlp-tiny", "resnet-tiny", "sort"):  # counted from the real model
+        assert workloads[name]["parameters"] == sum(p.numel() for p in builtin(name).model().parameters()), name
+    assert workloads["gpt-7b"]["parameters"] == 6_738_415_616  # Llama-2-7B
+    assert "3×224×224" in workloads["resnet"]["sample"] and "4097" in workloads["gpt-7b"]["sample"]
+    if importlib.util.find_spec("transformers"):
+        # hf:gpt2 is a toy, and says so: GPT-2 small has 124M parameters
+        assert "toy" in workloads["hf:gpt2"]["model"] and workloads["hf:gpt2"]["parameters"] < 1_000_000
+    devices = {d["name"]: d for d in listing["devices"]}
+    assert set(devices) == set(DEVICES)
+    for name, d in devices.items():
+        assert d["memory_bytes"] == DEVICES[name].memory_bytes and d["bf16"] == DEVICES[name].bf16
+        assert all(get_device(alias) is DEVICES[name] for alias in d["aliases"])
+    assert devices["a100-80gb"]["aliases"] == ["a100"] and devices["t4"]["bf16"] is False
+
+    code, out, err = _run(capfd, "list")
+    assert code == 0, err
+    for word in ["gpt-tiny", "hf:gpt2", "toy", "h100", "79.1 GiB", "a100-80gb", "a100"]:
+        assert word in out, word
 
 
 # ------------------------------------------------------------------------------------------ numbers as printed

@@ -2,6 +2,8 @@
 
 Public API: Workload, Config, estimate, plan, Trainer, train (and the `memfit` command).
 """
+from importlib import metadata as _metadata
+
 from memfit.config import Config, ConfigError
 from memfit.memory.estimate import Estimate, EstimateError, estimate
 from memfit.planner.search import Plan, PlanError, plan
@@ -12,4 +14,7 @@ from memfit.workload import Workload, WorkloadError, load_workload
 
 __all__ = ["Plan", "PlanError", "RunError", "plan", "train", "Config", "ConfigError", "Estimate", "EstimateError", "TrainStep", "Trainer", "Workload", "WorkloadError", "estimate",
            "load_workload"]
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("memfit")  # pyproject.toml is the one place the version is written
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown (not installed)"

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from memfit import __version__
 from memfit.config import PRECISIONS, Config
 
 
@@ -35,14 +36,20 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
 
 
+_PRECISION_HELP = ("fp32; bf16 = bf16 autocast, fp32 weights; fp16 = fp16 autocast + loss scaling; "
+                   "bf16-pure = bf16 weights, gradients and optimizer state, no fp32 master copy")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="samples per forward/backward pass")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=_PRECISION_HELP + " (default: fp32)")
     p.add_argument("--checkpoint", type=_checkpoint_arg, default="none",
                    help="none | all | selective | k (every k-th block) | name,name,...")
-    p.add_argument("--offload-activations", action="store_true")
-    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep activations saved for backward in host memory between forward and backward")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="keep fp32 master weights and optimizer state in host memory; the optimizer steps there")
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
 
 
@@ -190,9 +197,81 @@ def result_model(result, workload):
     return model.eval()
 
 
+def _describe_workload(name: str) -> dict:
+    """What a built-in name builds, read off the model itself (made on the meta device: no memory, no time)."""
+    import torch
+
+    from memfit.workload import WorkloadError
+    from memfit.workloads import builtin
+
+    try:
+        wl = builtin(name)
+        with torch.device("meta"):
+            model, sample = wl.model(), wl.batch(1)
+    except WorkloadError as e:  # hf: without transformers
+        return {"name": name, "model": str(e), "parameters": None, "sample": ""}
+    if wl.name != name:
+        kind = f"same as {wl.name}"
+    elif hasattr(model, "cfg"):  # memfit's own GPT
+        c = model.cfg
+        kind = f"Llama-shaped GPT: {c.layers} layers, d_model {c.d_model}, {c.heads} heads, ffn {c.ffn}, vocab {c.vocab}"
+    elif name.startswith("hf:"):
+        c = model.config
+        kind = f"{type(model).__name__}, toy size: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}"
+    else:
+        kind = type(model).__name__
+    items = sample.items() if isinstance(sample, dict) else enumerate(sample)
+    shapes = [" ".join(x for x in (f"{key}:" if isinstance(key, str) else "", "×".join(map(str, t.shape[1:])),
+                                   str(t.dtype).removeprefix("torch.")) if x) for key, t in items]
+    return {"name": name, "model": kind, "parameters": sum(p.numel() for p in model.parameters()),
+            "sample": ", ".join(shapes)}
+
+
+def cmd_list(args) -> int:
+    from memfit.memory.devices import DEVICES, aliases_of, device_names
+    from memfit.workloads import BUILTIN_NAMES
+    from memfit.workloads.hf import SMALL_CONFIGS
+
+    names = [n for n in BUILTIN_NAMES if not n.startswith("hf:")] + [f"hf:{t}" for t in SMALL_CONFIGS]
+    workloads = [_describe_workload(n) for n in names]
+    gpus = [{"name": n, "description": DEVICES[n].description, "memory_bytes": DEVICES[n].memory_bytes,
+             "bf16": DEVICES[n].bf16, "aliases": aliases_of(n)} for n in device_names()]
+    if args.json:
+        print(json.dumps({"workloads": workloads, "devices": gpus}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit.units import fmt_bytes
+    console = Console()
+    console.width = max(console.width, 120)
+    table = Table(title="built-in workloads (memfit estimate NAME; options: --seq, -o key=value)",
+                  title_justify="left", show_edge=False)
+    for col in ("name", "model", "parameters", "one sample"):
+        table.add_column(col, justify="right" if col == "parameters" else "left")
+    for w in workloads:
+        table.add_row(w["name"], w["model"], f"{w['parameters']:,}" if w["parameters"] is not None else "-", w["sample"])
+    console.print(table)
+    console.print("hf:llama, hf:gpt2, hf:bert and hf:t5 are toy sizes for a quick check, not the published models; "
+                  "hf:path/to/config.json builds the real architecture from its config (no weights are downloaded).",
+                  style="dim")
+    table = Table(title="GPU catalogue (--device NAME)", title_justify="left", show_edge=False)
+    for col in ("name", "card", "memory", "bf16", "also typed as"):
+        table.add_column(col, justify="right" if col == "memory" else "left")
+    for g in gpus:
+        table.add_row(g["name"], g["description"], fmt_bytes(g["memory_bytes"]), "yes" if g["bf16"] else "no",
+                      ", ".join(g["aliases"]) or "-")
+    console.print(table)
+    console.print("memory is what PyTorch can use (below the marketed size). Names ignore case, and the card's own "
+                  "spellings work too (h100-80gb, 'NVIDIA A100-SXM4-40GB'); --device cpu is this machine, cuda the "
+                  "GPU present.", style="dim")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("estimate", help="peak memory of one training step, traced on fake tensors")
@@ -208,14 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", help="memory budget: 24GiB, 80GB, bytes, or 50%% of the device (default: all of it)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU")
     p.add_argument("--micro-batch", type=int, help="fix the micro-batch")
-    p.add_argument("--precision", choices=PRECISIONS, help="fix the precision")
+    p.add_argument("--precision", choices=PRECISIONS, help="fix the precision: " + _PRECISION_HELP)
     p.add_argument("--checkpoint", type=_checkpoint_arg, help="fix checkpointing")
     p.add_argument("--offload-activations", action="store_true", help="force activation offload")
     p.add_argument("--offload-optimizer", action="store_true", help="force optimizer offload")
     p.add_argument("--max-micro-batch", action="store_true", help="the largest micro-batch that fits, config fixed")
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
-    p.add_argument("--verify-steps", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--verify-steps", type=int, default=3, help="real steps --verify times (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("train", help="run training: plan, recover from OOM, checkpoint, resume, report")
@@ -223,29 +302,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as for estimate; default: a small GPT learning to sort digits")
     p.add_argument("--seq", type=int, help="sequence length for built-in language models")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps to run (default: %(default)s)")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step (default: %(default)s)")
     p.add_argument("--budget", help="memory budget (on a CPU: a virtual device of that size)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N, the GPU present")
     p.add_argument("--micro-batch", type=int, help="start from this micro-batch instead of planning")
-    p.add_argument("--precision", choices=PRECISIONS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=PRECISIONS, help="fix the precision (default: planned): " + _PRECISION_HELP)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model's initial weights, the data and dropout (default: %(default)s)")
     p.add_argument("--out", help="run folder (default: a new one under ./runs/)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100, help="save a checkpoint every N steps (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "onecycle", "constant"])
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "onecycle", "constant"],
+                   help="learning-rate schedule over the run (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the final report still prints)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="this machine's CPU (default) or the GPU present")
+    p.add_argument("--json", action="store_true", help="the profile as one JSON object on stdout")
     p.set_defaults(fn=cmd_calibrate)
+
+    p = sub.add_parser("list", help="the built-in workloads and the GPU catalogue")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(fn=cmd_list)
 
     p = sub.add_parser("summary", help="per-module table: output shapes, parameters, saved activations, FLOPs")
     _add_workload_args(p)
     _add_config_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the rows as one JSON list on stdout")
     p.set_defaults(fn=cmd_summary)
     return parser
 
