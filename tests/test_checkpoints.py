@@ -1,8 +1,12 @@
-"""Checkpoints: exact resume, atomic saves, corrupt files, weights_only loading, wrapper prefixes, export."""
+"""Checkpoints: exact resume, atomic saves, checksums, corrupt files, a full disk, weights_only loading, wrapper
+prefixes, export."""
 from __future__ import annotations
 
+import errno
+import io
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -130,7 +134,7 @@ def test_keeps_newest_and_names_sort(tmp_path):
     for step in (1, 2, 10, 100):
         save_checkpoint(tmp_path, step, model=model, optimizer=opt, config=CONFIG, keep=2)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["step-00000010.pt", "step-00000100.pt"]
+    assert names == ["step-00000010.pt", "step-00000010.pt.sha256", "step-00000100.pt", "step-00000100.pt.sha256"]
     assert latest_checkpoint(tmp_path).name == "step-00000100.pt"
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
@@ -147,7 +151,8 @@ def test_crash_during_rename_keeps_previous(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="simulated crash"):
             save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG, keep=1)
     assert latest_checkpoint(tmp_path) == good  # and keep=1 did not delete it
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]  # no temp left behind
+    # no temporary left behind, and no checksum of the checkpoint that was never committed
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [good.name, good.name + ".sha256"]
     assert load_checkpoint(good)["step"] == 1
 
 
@@ -176,14 +181,24 @@ def test_kill_9_mid_save_leaves_previous_and_temp_is_ignored(tmp_path):
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
 
-def test_truncated_checkpoint_is_skipped(tmp_path):
+def skipped_lines(capsys) -> list[str]:
+    """The one-line reports of skipped checkpoints on stderr (and that nothing else was said there)."""
+    lines = capsys.readouterr().err.splitlines()
+    assert all(line.startswith("memfit: warning: skipping checkpoint ") for line in lines), lines
+    return lines
+
+
+def test_truncated_checkpoint_is_skipped_in_one_line(tmp_path, capsys):
     model, opt, _ = make()
     good = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, config=CONFIG)
     bad = save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG)
     data = bad.read_bytes()
     bad.write_bytes(data[: len(data) // 2])
-    with pytest.warns(UserWarning, match="step-00000002.pt"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Python warning is four lines for one fact: none is raised
         assert latest_checkpoint(tmp_path) == good
+    [line] = skipped_lines(capsys)
+    assert "step-00000002.pt" in line and "truncated" in line
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(bad)
     msg = str(e.value)
@@ -191,11 +206,95 @@ def test_truncated_checkpoint_is_skipped(tmp_path):
 
     garbage = tmp_path / "checkpoints" / "step-00000003.pt"
     garbage.write_bytes(b"not a checkpoint at all")
-    with pytest.warns(UserWarning) as rec:
-        assert latest_checkpoint(tmp_path) == good
-    assert ["00000003" in str(r.message) for r in rec] == [True, False]  # newest first, both named
+    assert latest_checkpoint(tmp_path) == good
+    lines = skipped_lines(capsys)
+    assert ["00000003" in line for line in lines] == [True, False]  # newest first, both named
     with pytest.raises(CheckpointError, match="step-00000003.pt"):
         load_checkpoint(garbage)
+
+
+def overwrite_weights_in_place(path, model: nn.Module) -> None:
+    """Overwrite fc1.weight's bytes inside the file with NaNs of the same length: the size and the zip
+    structure stay as they were (bit rot, a bad copy, a stray write)."""
+    data = bytearray(path.read_bytes())
+    old = model.fc1.weight.detach().numpy().tobytes()
+    at = bytes(data).index(old)
+    data[at: at + len(old)] = torch.full_like(model.fc1.weight, float("nan")).numpy().tobytes()
+    size = path.stat().st_size
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size == size
+
+
+def test_bytes_changed_in_place_are_caught_by_the_checksum(tmp_path, capsys):
+    model, opt, _ = make()
+    good = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, config=CONFIG)
+    bad = save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG)
+    overwrite_weights_in_place(bad, model)
+    # the danger: torch itself loads such a file without a word, NaN weights and all
+    assert torch.load(bad, weights_only=True)["model"]["fc1.weight"].isnan().all()
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value) and "checksum" in str(e.value)
+    assert latest_checkpoint(tmp_path) == good
+    [line] = skipped_lines(capsys)
+    assert "step-00000002.pt" in line and "checksum" in line
+    path, state = ck.load_latest(tmp_path)
+    assert path == good and state["step"] == 1 and not state["model"]["fc1.weight"].isnan().any()
+    skipped_lines(capsys)
+    if shutil.which("sha256sum"):  # the checksum file is sha256sum's own format
+        check = subprocess.run(["sha256sum", "-c", good.name + ".sha256"], cwd=good.parent, capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_checkpoint_without_its_checksum_is_not_trusted(tmp_path, capsys):
+    model, opt, _ = make()
+    good = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, config=CONFIG)
+    lone = save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG)
+    ck.checksum_path(lone).unlink()
+    with pytest.raises(CheckpointError, match="checksum .* is missing"):
+        load_checkpoint(lone)
+    assert latest_checkpoint(tmp_path) == good
+    assert len(skipped_lines(capsys)) == 1
+
+
+class FailingFile(io.FileIO):
+    """A checkpoint file whose third write fails as `error` (a full disk, a Ctrl-C)."""
+    error: BaseException
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.writes = 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            raise self.error
+        return super().write(data)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "ctrl-c"])
+def test_a_failed_write_raises_its_own_error_and_keeps_the_previous(tmp_path, monkeypatch, error):
+    """torch reports a failing write as "[enforce fail at inline_container.cc] unexpected pos": the save must
+    raise the real error, leave no temporary file and no checksum behind, and not touch the previous one."""
+    model, opt, _ = make()
+    good = save_checkpoint(tmp_path, 1, model=model, optimizer=opt, config=CONFIG)
+    before = good.read_bytes()
+
+    def failing_open(path, mode="r", *a, **k):
+        if "step-00000002" in str(path) and mode == "wb":  # the checkpoint's temporary file
+            f = FailingFile(path, "wb")
+            f.error = error
+            return f
+        return open(path, mode, *a, **k)
+
+    monkeypatch.setattr(ck, "open", failing_open, raising=False)
+    with pytest.raises(type(error)) as info:
+        save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG)
+    assert info.value is error
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [good.name, good.name + ".sha256"]
+    assert good.read_bytes() == before and load_checkpoint(good)["step"] == 1
 
 
 def test_not_a_memfit_checkpoint(tmp_path):
@@ -222,7 +321,8 @@ def test_weights_only_refuses_pickled_objects(tmp_path):
     pristine = torch.load(p, weights_only=True)
     for obj in (Custom(), Evil()):
         payload = dict(pristine, data_state={"sampler": obj})
-        torch.save(payload, p)  # plain torch.save: a checkpoint someone tampered with
+        torch.save(payload, p)  # plain torch.save: a checkpoint someone tampered with, checksum and all
+        ck.checksum_path(p).write_text(f"{ck.sha256_of(p)}  {p.name}\n")
         with pytest.raises(CheckpointError) as e:
             load_checkpoint(p)
         assert "\n" not in str(e.value) and str(p) in str(e.value)

@@ -219,7 +219,7 @@ import os, runpy, sys, time
 from memfit.runtime import checkpoints as c
 stall = int(os.environ["MEMFIT_TEST_STALL_STEP"])
 atomic_write = c._atomic_write
-def patched(final, write):
+def patched(final, write, before_commit=None):
     if final.name == "step-%08d.pt" % stall:
         whole = write
         def write(tmp):
@@ -231,7 +231,7 @@ def patched(final, write):
                 os.fsync(f.fileno())
             open(os.environ["MEMFIT_TEST_STALLED"], "w").close()
             time.sleep(600)
-    return atomic_write(final, write)
+    return atomic_write(final, write, before_commit)
 c._atomic_write = patched
 sys.argv[0] = "memfit"
 runpy.run_module("memfit.cli", run_name="__main__", alter_sys=True)

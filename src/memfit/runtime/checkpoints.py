@@ -1,15 +1,25 @@
 """Checkpoints for exact resume, and the final safetensors export.
 
 Layout: ``RUN_DIR/checkpoints/step-00000042.pt`` (step zero-padded to 8 digits so names sort; larger steps
-still work, ordering is by the parsed number). Nothing else is needed: `latest_checkpoint` finds the newest.
+still work, ordering is by the parsed number) and beside it ``step-00000042.pt.sha256``, the SHA-256 of the
+checkpoint's bytes in ``sha256sum`` format (``sha256sum -c`` checks it too). `latest_checkpoint` finds the
+newest checkpoint whose bytes still match their checksum.
+
+Integrity: a file overwritten in place (same size, different bytes) can still unpickle into plausible tensors
+and train on NaNs without a word, so every load hashes the file and compares it with its checksum first; a
+mismatch, a missing checksum, a truncated or unreadable file is a `CheckpointError`, and `latest_checkpoint`
+skips it for the previous one, saying so in one line on stderr.
 
 Atomicity: a checkpoint is written to a temporary file in the same directory (``.step-00000042.pt.<random>.tmp``),
-flushed and fsynced, renamed onto its final name with `os.replace` (an atomic rename on POSIX, and one that
-also overwrites on Windows), and the directory is fsynced so the rename itself is durable. A crash (even
-``kill -9``) at any point leaves either the old set of checkpoints or the old set plus the new one, never a
-half-written ``step-*.pt``. Older checkpoints beyond the newest `keep` are deleted only after the new one is
-complete. Leftover temporary files are ignored by `latest_checkpoint` and removed by the next successful save
-(one writer per run directory is assumed).
+flushed and fsynced; its checksum is written the same way and renamed into place; then the checkpoint is
+renamed onto its final name with `os.replace` (an atomic rename on POSIX, and one that also overwrites on
+Windows), and the directory is fsynced so the rename itself is durable. That last rename is the commit: a
+crash (even ``kill -9``) at any point leaves either the old set of checkpoints or the old set plus the new
+one, never a half-written ``step-*.pt``, and never a ``step-*.pt`` without its checksum. Older checkpoints
+beyond the newest `keep` are deleted only after the new one is complete. Leftover temporary files and
+checksums without a checkpoint are ignored by `latest_checkpoint` and removed by the next successful save
+(one writer per run directory is assumed). A write that fails (disk full) or is interrupted (Ctrl-C) raises
+that error itself, not torch's ``unexpected pos``, and leaves the old set untouched.
 
 Loading uses ``torch.load(path, map_location="cpu", weights_only=True)``: no pickled code runs. Everything a
 checkpoint holds is therefore tensors, dicts, lists, tuples, ints, floats, strings, bools and None; the RNG
@@ -17,12 +27,12 @@ states (Python's `random`, numpy's) are converted to tensors and plain types on 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
 import sys
 import tempfile
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -33,6 +43,8 @@ FORMAT = "memfit-checkpoint"
 VERSION = 1
 CHECKPOINT_SUBDIR = "checkpoints"
 _NAME_RE = re.compile(r"^step-(\d+)\.pt$")
+_SUM_RE = re.compile(r"^step-(\d+)\.pt\.sha256$")
+SUM_SUFFIX = ".sha256"
 _TMP_RE = re.compile(r"^\.step-\d+\.pt\..*\.tmp$")
 
 # Components that wrappers insert into parameter names. "module." is only stripped as a leading component
@@ -55,6 +67,12 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{int(step):08d}.pt"
+
+
+def checksum_path(path: str | os.PathLike) -> Path:
+    """Where the checksum of the checkpoint at `path` lives: beside it, ``.sha256`` appended."""
+    path = Path(path)
+    return path.with_name(path.name + SUM_SUFFIX)
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -87,9 +105,10 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(final: Path, write) -> None:
-    """`write(tmp_path)` writes the whole file; then fsync, rename onto `final`, fsync the directory.
-    On any failure the temporary file is removed and `final` is untouched."""
+def _atomic_write(final: Path, write, before_commit=None) -> None:
+    """`write(tmp_path)` writes the whole file; then fsync, `before_commit(tmp_path)` (the checksum goes in
+    place here), rename onto `final`, fsync the directory. On any failure, Ctrl-C included, the temporary
+    file is removed and `final` is untouched."""
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
     os.close(fd)
@@ -99,6 +118,8 @@ def _atomic_write(final: Path, write) -> None:
         with open(tmp, "rb+") as f:  # flush whatever the writer left in OS buffers to the disk
             f.flush()
             os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit(tmp)
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -109,11 +130,52 @@ def _atomic_write(final: Path, write) -> None:
     _fsync_dir(final.parent)
 
 
+class _Sink:
+    """The file object torch.save writes through. torch turns an exception raised by ``write`` (disk full,
+    Ctrl-C) into ``[enforce fail at inline_container.cc] unexpected pos``; the sink keeps the real one so that
+    it can be raised instead."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _torch_save_to(obj) -> Any:
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            sink = _Sink(f)
+            try:
+                torch.save(obj, sink)
+            except BaseException:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
     return write
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_checksum(final: Path):
+    """`before_commit` for a checkpoint: hash what was written and put ``final``'s checksum file in place."""
+    def write_sum(tmp: Path) -> None:
+        line = f"{sha256_of(tmp)}  {final.name}\n"
+        _atomic_write(checksum_path(final), lambda t: t.write_text(line))
+    return write_sum
 
 
 # ----------------------------------------------------------------------------------------- RNG state
@@ -145,12 +207,12 @@ def _set_rng_state(state: Mapping) -> None:
     cuda = state.get("cuda")
     if cuda:
         if not torch.cuda.is_available():
-            warnings.warn("checkpoint holds CUDA RNG states but CUDA is not available: not restored", stacklevel=3)
+            _warn("checkpoint holds CUDA RNG states but CUDA is not available: not restored")
         else:
             n = torch.cuda.device_count()
             if n != len(cuda):
-                warnings.warn(f"checkpoint holds CUDA RNG states for {len(cuda)} device(s), this process sees {n}: "
-                              f"restoring the first {min(n, len(cuda))}", stacklevel=3)
+                _warn(f"checkpoint holds CUDA RNG states for {len(cuda)} device(s), this process sees {n}: "
+                      f"restoring the first {min(n, len(cuda))}")
             for i, s in enumerate(cuda[:n]):
                 torch.cuda.set_rng_state(s, i)
     npst = state.get("numpy")
@@ -186,11 +248,14 @@ def _check_plain(value, what: str, path: str = "") -> None:
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
-                    data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None) -> Path:
-    """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and return its path.
+                    data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None,
+                    run: Mapping | None = None) -> Path:
+    """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and its checksum, and return its path.
 
     `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
-    (e.g. a sampler's state) returned untouched by `load_checkpoint(...)["data_state"]`. After the new file is
+    (e.g. a sampler's state) returned untouched by `load_checkpoint(...)["data_state"]`; `run` likewise, for
+    what identifies the run (workload, seed, length, schedule) so a resume can be checked against it before
+    anything is written. After the new file is
     complete, only the newest `keep` checkpoints (by step; the one just written is always kept) remain;
     ``keep=None`` keeps all. `optimizer_offload` is the engine's `OptimizerOffload` when the optimizer steps
     fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
@@ -204,9 +269,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     config = dict(config)
-    data_state = dict(data_state or {})
+    data_state, run = dict(data_state or {}), dict(run or {})
     _check_plain(config, "config")
     _check_plain(data_state, "data_state")
+    _check_plain(run, "run")
     payload = {
         "format": FORMAT,
         "version": VERSION,
@@ -219,21 +285,23 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "rng": _rng_state(),
         "data_state": data_state,
         "config": config,
+        "run": run,
         "torch_version": str(torch.__version__),
     }
     _check_plain(payload["optimizer"], "optimizer.state_dict()")
     if payload["scheduler"] is not None:
         _check_plain(payload["scheduler"], "scheduler.state_dict()")
     final = checkpoint_path(run_dir, step)
-    _atomic_write(final, _torch_save_to(payload))
+    _atomic_write(final, _torch_save_to(payload), before_commit=_write_checksum(final))
     _prune(run_dir, keep, final)
     return final
 
 
 def _prune(run_dir, keep: int | None, just_written: Path) -> None:
     d = checkpoint_dir(run_dir)
-    for p in d.iterdir():  # leftovers of saves that were killed mid-write
-        if _TMP_RE.match(p.name):
+    for p in d.iterdir():  # leftovers of saves that were killed mid-write, checksums of deleted checkpoints
+        m = _SUM_RE.match(p.name)
+        if _TMP_RE.match(p.name) or (m and not (d / f"step-{m.group(1)}.pt").exists()):
             try:
                 p.unlink()
             except OSError:
@@ -242,10 +310,11 @@ def _prune(run_dir, keep: int | None, just_written: Path) -> None:
         return
     others = [p for _, p in list_checkpoints(run_dir) if p != just_written]
     for p in others[: max(0, len(others) - (keep - 1))]:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+        for doomed in (p, checksum_path(p)):  # the checkpoint first: a checksum alone is never mistaken for one
+            try:
+                doomed.unlink()
+            except FileNotFoundError:
+                pass
     _fsync_dir(d)
 
 
@@ -262,12 +331,25 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _warn(message: str) -> None:
+    """One line on stderr: what was skipped and why (a Python warning would add a file, a line number and
+    a source line, four lines for one fact)."""
+    print(f"memfit: warning: {message}", file=sys.stderr, flush=True)
+
+
 def _load(path: Path, mmap: bool) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):  # cheap: reads the end-of-archive record that a truncated file lacks
         raise CheckpointError(f"{path}: corrupt or not a memfit checkpoint: not a complete zip archive "
                               f"({path.stat().st_size} bytes; truncated?)")
+    sums = checksum_path(path)
+    if sums.is_file():  # before unpickling anything: bytes changed in place must not load
+        want = sums.read_text().split()[:1]
+        got = sha256_of(path)
+        if want != [got]:
+            raise CheckpointError(f"{path}: corrupt: its bytes no longer match the checksum written with it "
+                                  f"(sha256 {got[:12]}..., {sums.name} says {(want or ['nothing'])[0][:12]}...)")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, a disallowed global under weights_only, ...
@@ -281,39 +363,52 @@ def _load(path: Path, mmap: bool) -> dict:
     missing = [k for k in ("step", "model", "optimizer", "rng", "data_state", "config") if k not in obj]
     if missing:
         raise CheckpointError(f"{path}: corrupt memfit checkpoint: missing {', '.join(missing)}")
+    if not sums.is_file():
+        raise CheckpointError(f"{path}: its checksum {sums.name} is missing, so its bytes cannot be checked")
     return obj
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a checkpoint onto the CPU with ``weights_only=True``. Raises `CheckpointError` (one line naming
-    the file) if it is missing, truncated, corrupt, holds pickled code, or is not a memfit checkpoint.
+    """Load a checkpoint onto the CPU with ``weights_only=True``, after checking its bytes against its
+    checksum. Raises `CheckpointError` (one line naming the file) if it is missing, truncated, corrupt,
+    changed since it was written, holds pickled code, or is not a memfit checkpoint.
 
     Keys: format, version, step, model, optimizer, scaler, scheduler, offload_master, rng, data_state, config,
-    torch_version.
+    run, torch_version.
     """
     return _load(Path(path), mmap=False)
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``RUN_DIR/checkpoints``, or None. Temporary files are ignored;
-    a checkpoint that fails to load is skipped with a warning naming it, falling back to the previous one.
-
-    Validation memory-maps the file (``torch.load(..., mmap=True)``): the zip structure, the pickled
-    structure and the format marker are checked without reading every tensor into memory, so a truncated
-    or garbled file is caught cheaply (if that fails the file is read in full before it is given up on);
-    `load_checkpoint` then reads it in full.
-    """
+def _newest(run_dir, mmap: bool) -> tuple[Path, dict] | None:
     for _, p in reversed(list_checkpoints(run_dir)):
         try:
-            _load(p, mmap=True)
-        except CheckpointError:
-            try:  # mmap may be unsupported where the file lives; a full read also gives a clearer reason
-                _load(p, mmap=False)
-            except CheckpointError as e:
-                warnings.warn(f"skipping unreadable checkpoint {e}", stacklevel=2)
-                continue
-        return p
+            return p, _load(p, mmap=mmap)
+        except CheckpointError as e:
+            if mmap:
+                try:  # mmap may be unsupported where the file lives; a full read also gives a clearer reason
+                    return p, _load(p, mmap=False)
+                except CheckpointError as full:
+                    e = full
+            _warn(f"skipping checkpoint {e}")
     return None
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest intact checkpoint under ``RUN_DIR/checkpoints``, or None. Temporary files are ignored; a
+    checkpoint that fails its checksum or does not load is skipped with one line on stderr naming it and
+    why, falling back to the previous one.
+
+    Validation hashes the file, then memory-maps it (``torch.load(..., mmap=True)``): the zip structure, the
+    pickled structure and the format marker are checked without reading every tensor into memory.
+    """
+    found = _newest(run_dir, mmap=True)
+    return found[0] if found else None
+
+
+def load_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+    """(path, `load_checkpoint(path)`) of the newest intact checkpoint, each candidate read once; None if
+    there is none. Skips are reported as by `latest_checkpoint`."""
+    return _newest(run_dir, mmap=False)
 
 
 # ---------------------------------------------------------------------------------------- restoring
@@ -350,9 +445,9 @@ def _load_optional(name: str, obj, state) -> None:
     if obj is not None and state is not None:
         obj.load_state_dict(state)
     elif obj is not None:
-        warnings.warn(f"checkpoint holds no {name} state: the {name} starts fresh", stacklevel=3)
+        _warn(f"checkpoint holds no {name} state: the {name} starts fresh")
     elif state is not None:
-        warnings.warn(f"checkpoint holds {name} state but no {name} was given: ignored", stacklevel=3)
+        _warn(f"checkpoint holds {name} state but no {name} was given: ignored")
 
 
 def normalize_key(key: str) -> str:
@@ -463,5 +558,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
 
 
-__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "restore",
-           "load_model_state", "export_safetensors", "list_checkpoints", "checkpoint_path", "normalize_key"]
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_latest", "restore",
+           "load_model_state", "export_safetensors", "list_checkpoints", "checkpoint_path", "checksum_path",
+           "normalize_key"]
