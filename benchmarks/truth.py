@@ -7,6 +7,8 @@ import gc
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.torch_internals import profiler_memory_timeline
+
 
 def profiler_peak(fn) -> int:
     """Run fn() under the profiler and return the peak of CPU-allocator bytes, pre-existing included."""
@@ -15,7 +17,7 @@ def profiler_peak(fn) -> int:
                  with_stack=True) as prof:
         fn()
     current = peak = 0
-    for _, action, _, nbytes in prof._memory_profile().timeline:
+    for _, action, _, nbytes in profiler_memory_timeline(prof):
         name = getattr(action, "name", str(action))
         if name in ("PREEXISTING", "CREATE"):
             current += nbytes

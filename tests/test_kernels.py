@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 from memfit.memory.kernels import lstm_workspace_bytes
+from memfit.torch_internals import TorchDispatchMode, profiler_surviving_allocations
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -59,29 +59,12 @@ def test_lstm_workspace_formula_matches_the_cpu_kernel(dtype, seq, batch, inp, h
 
 def _profiled_workspace_allocations(fn) -> list[int]:
     """Sizes of the allocations the profiler saw inside real mkldnn_rnn_layer calls that outlive the call."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.TorchOp and e.name == "aten::mkldnn_rnn_layer":
-            allocs, sub = {}, list(e.children)
-            while sub:
-                c = sub.pop()
-                if c.typed[0] == _EventType.Allocation:
-                    f = c.typed[1]
-                    if f.alloc_size > 0:
-                        allocs[f.ptr] = f.alloc_size
-                    else:
-                        allocs.pop(f.ptr, None)
-                sub.extend(c.children)
-            sizes.append(max(allocs.values()))  # the workspace is the call's largest surviving allocation
-        else:
-            stack.extend(e.children)
-    return sizes
+    # the workspace is the call's largest surviving allocation
+    return [max(sizes) for sizes in profiler_surviving_allocations(prof, "aten::mkldnn_rnn_layer")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

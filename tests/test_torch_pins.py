@@ -1,11 +1,20 @@
-"""Pins for the private PyTorch pieces memfit relies on (wrapped in memfit/memory/fake.py and tracker.py).
+"""Pins for the private PyTorch pieces memfit relies on, every one behind memfit/torch_internals.py.
 If a torch upgrade moves or changes one of them, these fail before any estimate silently goes wrong."""
+import logging
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from memfit import torch_internals as ti
 from memfit.memory.fake import FakeTensor, FlopCounterMode, is_fake, new_fake_mode
+
+
+def test_the_shim_exports_only_what_is_pinned_here():
+    pinned = {"FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
+              "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
+    assert set(ti.__all__) == pinned
 
 
 def test_fake_tensors_have_storages_with_stable_identity_and_finalisers():
@@ -15,7 +24,8 @@ def test_fake_tensors_have_storages_with_stable_identity_and_finalisers():
         assert is_fake(x) and isinstance(x, FakeTensor)
         st = x.untyped_storage()
         assert st.nbytes() == 4000
-        assert x.untyped_storage() is st and x.view(10, 100).untyped_storage()._cdata == st._cdata
+        assert x.untyped_storage() is st and ti.storage_key(x.view(10, 100)) == ti.storage_key(st)
+        assert ti.storage_key(torch.randn(1000)) != ti.storage_key(x)
         weakref.finalize(st, lambda: freed.append(True))
         del st
         y = x[:10]
@@ -40,14 +50,13 @@ def test_profiler_memory_timeline_is_available():
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
         x = torch.randn(256, 256, requires_grad=True)
         (x @ x).sum().backward()
-    timeline = p._memory_profile().timeline
+    timeline = ti.profiler_memory_timeline(p)
     assert timeline and {a.name for _, a, _, _ in timeline} >= {"CREATE", "DESTROY"}
 
 
 def test_data_dependent_ops_are_refused_by_fake_tensors():
     """memfit falls back to real steps exactly when this happens; if torch starts to follow these ops,
     the fallback tests would stop exercising the fallback."""
-    import pytest
 
     with new_fake_mode():
         x = torch.randn(10)
@@ -55,3 +64,45 @@ def test_data_dependent_ops_are_refused_by_fake_tensors():
             (x > 0).nonzero()
         with pytest.raises(Exception):
             x.sum().item()
+
+
+def test_storage_key_identifies_real_storages_shared_by_views():
+    x = torch.zeros(16)
+    assert ti.storage_key(x[4:]) == ti.storage_key(x) != ti.storage_key(x.clone())
+
+
+def test_a_dispatch_mode_sees_ops_below_autograd_and_pytree_flattens_nested_outputs():
+    seen = []
+
+    class Spy(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, requires_grad=True)
+    with Spy():
+        (x * 2).sum().backward()
+    assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.expand.default in seen  # sum's backward
+    a, b = torch.ones(1), torch.zeros(2)
+    assert ti.tree_leaves({"k": [a, (b, 3)]}) == [a, b, 3]
+
+
+def test_grad_scaler_tensors_are_the_scale_and_growth_tracker():
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    assert ti.grad_scaler_tensors(scaler) == []  # nothing until a loss is scaled
+    scaler.scale(torch.ones(()))
+    scale, tracker = ti.grad_scaler_tensors(scaler)
+    assert scale.item() == 256.0 == scaler.get_scale() and tracker.item() == 0
+
+
+def test_profiler_sees_an_ops_surviving_allocations():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        y = torch.randn(1000)
+    assert ti.profiler_surviving_allocations(p, "aten::randn") == [[4000]]
+    del y
+
+
+def test_fake_tensor_errors_are_logged_under_the_pinned_logger_name():
+    assert ti.FAKE_TENSOR_LOGGER in logging.Logger.manager.loggerDict

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses import FakeTensorMode
 
+from memfit.torch_internals import FakeTensorMode
 from memfit.workload import Workload, WorkloadError, load_workload
 from memfit.workloads import BUILTIN_NAMES, builtin
 

@@ -13,6 +13,7 @@ import torch
 from memfit.config import Config
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
                                cast_inputs, check_precision, host_side, make_grad_scaler)
+from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
 
@@ -112,8 +113,8 @@ class TrainStep:
         out += [p.grad for p in self.model.parameters() if p.grad is not None] + self.host_tensors()
         for state in self.optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        if self.scaler is not None and self.scaler._scale is not None:
-            out += [self.scaler._scale, self.scaler._growth_tracker]
+        if self.scaler is not None:
+            out += grad_scaler_tensors(self.scaler)
         return out
 
     def host_tensors(self) -> list[torch.Tensor]:

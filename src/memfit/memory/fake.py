@@ -1,16 +1,14 @@
-"""The one place memfit touches PyTorch's private fake-tensor and FLOP-counting internals.
-
-tests/test_torch_pins.py pins every name used here, so a torch upgrade that moves them fails loudly.
-"""
+"""Fake tensors and FLOP counting for the estimator, on top of the private names in memfit.torch_internals."""
 from __future__ import annotations
 
 import contextlib
 import logging
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # private: pinned in tests
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+
+from memfit.torch_internals import FAKE_TENSOR_LOGGER, FakeTensor, FakeTensorMode
 
 __all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "SameModeDeepcopy", "new_fake_mode", "is_fake", "quiet_fake_errors",
            "op_flops"]
@@ -20,7 +18,7 @@ __all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "SameModeDeepcopy"
 def quiet_fake_errors():
     """FakeTensorMode logs every failing meta kernel with a full traceback before raising; memfit reports
     the error itself (and falls back), so keep torch's copy off the user's terminal."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:

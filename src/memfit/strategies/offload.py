@@ -20,6 +20,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from memfit.torch_internals import storage_key
+
 _state = threading.local()
 
 
@@ -48,14 +50,14 @@ class ActivationOffload:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.pin = device.type == "cuda"
-        self.keep = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.keep = {storage_key(p) for p in model.parameters()}
         self.moved_bytes = 0
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if t.untyped_storage()._cdata in self.keep:
+        if storage_key(t) in self.keep:
             return t
         self.moved_bytes += t.numel() * t.element_size()
         return t.device, _host_copy(t, self.pin)

@@ -22,9 +22,9 @@ def cast_model(model: torch.nn.Module, config: Config) -> torch.nn.Module:
         if p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
     for mod in model.modules():
-        for name, buf in mod._buffers.items():
-            if buf is not None and buf.is_floating_point():
-                mod._buffers[name] = buf.to(torch.bfloat16)
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf.is_floating_point():
+                setattr(mod, name, buf.to(torch.bfloat16))  # Module.__setattr__ replaces a registered buffer
     return model
 
 

@@ -1,0 +1,64 @@
+"""The one place memfit touches PyTorch names that are not public API.
+
+Each name below has a pin in tests/test_torch_pins.py: a torch upgrade that moves or changes one fails
+there, loudly, before an estimate silently goes wrong. Nothing else in memfit (or its tests and
+benchmarks) imports a private torch module or reads a private attribute.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
+           "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"]
+
+# FakeTensorMode logs every failing meta kernel under this logger (its module's name)
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
+    """An identity for a tensor's storage (or a storage) while it lives, for real and fake tensors alike.
+    `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage."""
+    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    return storage._cdata
+
+
+def grad_scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
+    """The loss scale and growth tracker a GradScaler keeps on the device once it has scaled a loss
+    (no public accessor returns the tensors themselves; `get_scale()` syncs and returns a float)."""
+    return [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
+
+
+def profiler_memory_timeline(prof) -> list[tuple]:
+    """(time, action, (key, version), bytes) events of the PyTorch profiler's memory timeline: the ground
+    truth memfit's estimates are checked against (`profile(profile_memory=True, record_shapes=True,
+    with_stack=True)`)."""
+    return prof._memory_profile().timeline
+
+
+def profiler_surviving_allocations(prof, op_name: str) -> list[list[int]]:
+    """For each call of the aten op `op_name` (e.g. "aten::mkldnn_rnn_layer") in a profile taken with
+    `profile_memory=True`: the sizes of the allocations made inside the call that it had not freed when it
+    returned (a kernel's workspace, which no dispatch-level hook sees)."""
+    from torch._C._profiler import _EventType
+
+    calls, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.TorchOp and event.name == op_name:
+            live, inner = {}, list(event.children)
+            while inner:
+                child = inner.pop()
+                if child.typed[0] == _EventType.Allocation:
+                    alloc = child.typed[1]
+                    if alloc.alloc_size > 0:
+                        live[alloc.ptr] = alloc.alloc_size
+                    else:
+                        live.pop(alloc.ptr, None)
+                inner.extend(child.children)
+            calls.append(list(live.values()))
+        else:
+            stack.extend(event.children)
+    return calls
