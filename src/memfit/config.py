@@ -4,11 +4,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from memfit.errors import ConfigError
+
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be applied to this model or device; raised before anything changes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,20 +31,20 @@ class Config:
 
     def __post_init__(self):
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-            raise ValueError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r}")
+            raise ConfigError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r}")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+            raise ConfigError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+            raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.offload_optimizer and self.precision == "fp16":
-            raise ValueError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
+            raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
         ck = self.checkpoint
         if isinstance(ck, list):
             object.__setattr__(self, "checkpoint", tuple(ck))
         elif isinstance(ck, bool) or not (
             ck in ("none", "all", "selective") or (isinstance(ck, int) and ck >= 1) or isinstance(ck, tuple)
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint must be 'none', 'all', 'selective', an integer k >= 1 or a list of module names, got {ck!r}"
             )
 
@@ -70,7 +68,7 @@ class Config:
     def from_dict(cls, d: dict) -> "Config":
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown Config field(s): {', '.join(sorted(unknown))}")
+            raise ConfigError(f"unknown Config field(s): {', '.join(sorted(unknown))}")
         return cls(**d)
 
     @classmethod

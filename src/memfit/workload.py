@@ -10,11 +10,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from memfit.errors import WorkloadError
+
 Batch = Any  # a tensor, or a tuple / list / dict of tensors (nested), samples along dim 0
-
-
-class WorkloadError(Exception):
-    """The user's workload could not be loaded or does not behave as the contract says."""
 
 
 @dataclasses.dataclass
