@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from memfit.torch_internals import FakeTensorMode
-from memfit.workload import Workload, WorkloadError, load_workload
+from memfit.workload import Workload, WorkloadError
+from memfit.workloads import load_workload
 from memfit.workloads import BUILTIN_NAMES, builtin
 
 try:

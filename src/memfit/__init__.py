@@ -10,7 +10,9 @@ from memfit.planner.search import Plan, PlanError, plan
 from memfit.runtime.run import RunError, train
 from memfit.runtime.trainer import Trainer
 from memfit.step import TrainStep
-from memfit.workload import Workload, WorkloadError, load_workload
+from memfit.workload import Workload
+from memfit.workloads import load_workload
+from memfit.errors import WorkloadError
 
 __all__ = ["Plan", "PlanError", "RunError", "plan", "train", "Config", "ConfigError", "Estimate", "EstimateError", "TrainStep", "Trainer", "Workload", "WorkloadError", "estimate",
            "load_workload"]

@@ -1,11 +1,8 @@
-"""The workload contract: how a user hands memfit a training job, and how memfit finds one by name."""
+"""The workload contract: how a user hands memfit a training job, and the batch helpers every layer uses."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -76,45 +73,3 @@ def move_batch(batch: Batch, device: torch.device | str) -> Batch:
     device = torch.device(device)
     non_blocking = device.type == "cuda"
     return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-def load_workload(spec: str | Workload, **options) -> Workload:
-    """Find a workload: a `Workload` as is, a built-in name (`gpt-7b`, `resnet`, `mlp`, `hf:<config>`),
-    or `path/to/job.py:function` (the function returns a `Workload`). `options` go to built-ins."""
-    if isinstance(spec, Workload):
-        return spec
-    from memfit.workloads import builtin  # the built-in zoo sits above this module
-
-    if not (":" in spec and spec.split(":", 1)[0].endswith(".py")) and not spec.endswith(".py"):
-        return builtin(spec, **options)
-    if options:
-        raise WorkloadError(f"options {sorted(options)} apply to built-in workloads only, not to {spec}")
-    path_s, _, fn_name = spec.partition(":")
-    fn_name = fn_name or "workload"
-    path = Path(path_s)
-    if not path.is_file():
-        raise WorkloadError(f"no such workload file: {path}")
-    module_name = f"memfit_user_{path.stem}"
-    spec_obj = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec_obj)
-    sys.modules[module_name] = module
-    try:
-        spec_obj.loader.exec_module(module)
-    except Exception as e:
-        raise WorkloadError(f"{path} raised while importing: {type(e).__name__}: {e}") from e
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise WorkloadError(f"{path} has no function {fn_name!r}")
-    if not callable(fn):
-        raise WorkloadError(f"{path}:{fn_name} is not a function returning a memfit.Workload")
-    try:
-        wl = fn()
-    except Exception as e:
-        raise WorkloadError(f"{path}:{fn_name}() raised: {type(e).__name__}: {e}") from e
-    if not isinstance(wl, Workload):
-        raise WorkloadError(f"{path}:{fn_name}() returned {type(wl).__name__}, not a memfit.Workload")
-    if wl.name == "workload":
-        wl.name = f"{path.name}:{fn_name}"
-    return wl

@@ -1,4 +1,4 @@
-"""Built-in workloads, found by name: `memfit estimate gpt-7b` needs no user code.
+"""Finding a workload by name: the built-ins (`memfit estimate gpt-7b` needs no user code) and user files.
 
 The table maps each name to a factory taking keyword options; `builtin` checks the options against
 the factory's signature so a typo (`--opt sqe=4096`) is reported instead of silently ignored.
@@ -6,7 +6,10 @@ the factory's signature so a typo (`--opt sqe=4096`) is reported instead of sile
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
+import sys
+from pathlib import Path
 from typing import Callable
 
 from memfit.workload import Workload, WorkloadError
@@ -64,4 +67,42 @@ def _hf_signature(*, seq=128, name=None, task=None, target_seq=None):  # mirrors
     """Only here so option checking for `hf:` names need not import transformers."""
 
 
-__all__ = ["BUILTIN_NAMES", "builtin"]
+def load_workload(spec: str | Workload, **options) -> Workload:
+    """Find a workload: a `Workload` as is, a built-in name (`gpt-7b`, `resnet`, `mlp`, `hf:<config>`),
+    or `path/to/job.py:function` (the function returns a `Workload`). `options` go to built-ins."""
+    if isinstance(spec, Workload):
+        return spec
+    if not (":" in spec and spec.split(":", 1)[0].endswith(".py")) and not spec.endswith(".py"):
+        return builtin(spec, **options)
+    if options:
+        raise WorkloadError(f"options {sorted(options)} apply to built-in workloads only, not to {spec}")
+    path_s, _, fn_name = spec.partition(":")
+    fn_name = fn_name or "workload"
+    path = Path(path_s)
+    if not path.is_file():
+        raise WorkloadError(f"no such workload file: {path}")
+    module_name = f"memfit_user_{path.stem}"
+    spec_obj = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.modules[module_name] = module
+    try:
+        spec_obj.loader.exec_module(module)
+    except Exception as e:
+        raise WorkloadError(f"{path} raised while importing: {type(e).__name__}: {e}") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise WorkloadError(f"{path} has no function {fn_name!r}")
+    if not callable(fn):
+        raise WorkloadError(f"{path}:{fn_name} is not a function returning a memfit.Workload")
+    try:
+        wl = fn()
+    except Exception as e:
+        raise WorkloadError(f"{path}:{fn_name}() raised: {type(e).__name__}: {e}") from e
+    if not isinstance(wl, Workload):
+        raise WorkloadError(f"{path}:{fn_name}() returned {type(wl).__name__}, not a memfit.Workload")
+    if wl.name == "workload":
+        wl.name = f"{path.name}:{fn_name}"
+    return wl
+
+
+__all__ = ["BUILTIN_NAMES", "builtin", "load_workload"]
