@@ -68,7 +68,7 @@ def _config(args) -> Config:
 def cmd_estimate(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.memory.estimate import estimate
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
 
     config = _config(args)
     device = get_device(args.device)
@@ -86,7 +86,7 @@ def cmd_estimate(args) -> int:
 
 def cmd_summary(args) -> int:
     from memfit.memory.summary import summarize
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
 
     workload = load_workload(args.workload, **_options(args))
     rows = summarize(workload, _config(args))
@@ -105,7 +105,7 @@ def cmd_summary(args) -> int:
 def cmd_plan(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.planner.search import plan
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
 
     workload = load_workload(args.workload, **_options(args))
     device = get_device(args.device)
@@ -169,7 +169,7 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from memfit.runtime.run import train
-    from memfit.workload import load_workload
+    from memfit.workloads import load_workload
 
     workload = load_workload(args.workload, **_options(args))
     console = Console()
