@@ -1,16 +1,20 @@
 """`memfit train` / `memfit.train`: OOM recovery that keeps the math, exact resume after kill -9 (at a random
-moment, and in the middle of a checkpoint write) and after Ctrl-C, resume errors, metrics / report / plots,
-and the default sort demo actually learning.
+moment, in the middle of a checkpoint write, and under --deterministic with another thread count on resume)
+and after Ctrl-C, resumes refused before anything is written, a corrupt newest checkpoint, a non-finite loss,
+a full disk, predicted vs measured per configuration, metrics / report / plots, and the default sort demo
+actually learning.
 
-The `memfit train` subprocesses (an uninterrupted reference run and three interrupted-then-resumed runs) are
-started in background threads when this module's first test starts, so they run alongside the in-process
-tests; the tests at the end of the file collect them. Every process runs single-threaded, and each under a
-small supervisor that records its exit status (see `Proc`).
+The `memfit train` subprocesses (uninterrupted reference runs and interrupted-then-resumed runs) are started
+in background threads when this module's first test starts, so they run alongside the in-process tests; the
+tests at the end of the file collect them. Every process runs single-threaded except the --deterministic
+ones, and each under a small supervisor that records its exit status (see `Proc`).
 Checkpoint atomicity and loading on their own are tests/test_checkpoints.py; here a real run drives them.
 """
 from __future__ import annotations
 
+import errno
 import inspect
+import io
 import itertools
 import json
 import math
@@ -31,8 +35,10 @@ from safetensors.torch import load_file
 
 import memfit
 from memfit import Config, RunError
+from memfit.cli import main
+from memfit.memory.devices import get_device
 from memfit.runtime import checkpoints as ckpt
-from memfit.runtime.run import train
+from memfit.runtime.run import deterministic_mode, predict, train
 from memfit.workloads import builtin
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -281,14 +287,14 @@ def kill_and_resume(out: Path, where: str) -> Path:
 
 
 def interrupt_and_resume(out: Path) -> tuple[Path, int]:
-    """Ctrl-C (SIGINT) once the first step is logged: exit 0 with a checkpoint of the step it stopped at;
-    then --resume finishes the run. Returns the run folder and the step it stopped at."""
+    """Ctrl-C (SIGINT) once the first step is logged: exit 130 (scripts can tell) with a checkpoint of the
+    step it stopped at; then --resume finishes the run. Returns the run folder and the step it stopped at."""
     log = out.parent / "run.log"
     # --checkpoint-every 1000: no periodic checkpoint to mistake for the one Ctrl-C writes
     rc = run(command(out, "--checkpoint-every", "1000"), log, kind="steps", at=1, delay=0, signal=signal.SIGINT,
              out=str(out))
-    assert rc == 0, log.read_text()[-3000:]
-    assert "interrupted: checkpoint at step" in log.read_text()
+    assert rc == 130, log.read_text()[-3000:]
+    assert "memfit: interrupted: checkpoint of step" in log.read_text()
     done = step_records(out)[-1]["step"] + 1
     assert done < STEPS, "the run finished before Ctrl-C reached it: nothing was tested"
     assert saved_steps(out) == [done]
@@ -298,6 +304,30 @@ def interrupt_and_resume(out: Path) -> tuple[Path, int]:
     assert not (out / "model.safetensors").exists()
     assert resume_to_end(out, log, tries=1) == 1
     return out, done
+
+
+DETERMINISTIC = {**ENV, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
+def deterministic_reference(out: Path) -> Path:
+    log = out.parent / "run.log"
+    assert run(command(out, "--deterministic"), log, DETERMINISTIC) == 0, log.read_text()[-3000:]
+    return out
+
+
+def deterministic_kill_and_resume(out: Path) -> Path:
+    """--deterministic on gpt-tiny (SDPA) with 2 threads, kill -9 at a random step, then --resume without the
+    flag and with the environment asking for 1 thread: the run goes on deterministic and with the 2 threads
+    its checkpoint records."""
+    rnd = random.Random("memfit-kill-deterministic")
+    log = out.parent / "run.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rc = run(command(out, "--deterministic"), log, DETERMINISTIC, kind="steps", at=rnd.choice([3, 5, 7]),
+             delay=rnd.uniform(0, 0.015), signal=signal.SIGKILL, out=str(out))
+    assert rc == -signal.SIGKILL and not (out / "model.safetensors").exists(), log.read_text()[-3000:]
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["run"]["threads"] == 2
+    assert run(command(out, "--resume"), log) == 0, log.read_text()[-3000:]  # ENV: OMP_NUM_THREADS=1
+    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -315,6 +345,8 @@ def runs(request, tmp_path_factory):
         "random-moment": pool.submit(kill_and_resume, root / "random-moment" / "run", "random-moment"),
         "mid-checkpoint-write": pool.submit(kill_and_resume, root / "mid-write" / "run", "mid-checkpoint-write"),
         "ctrl-c": pool.submit(interrupt_and_resume, root / "ctrl-c" / "run"),
+        "deterministic-reference": pool.submit(deterministic_reference, root / "det-reference" / "run"),
+        "deterministic": pool.submit(deterministic_kill_and_resume, root / "det-kill" / "run"),
     }
     yield futures
     CANCEL.set()
@@ -349,6 +381,14 @@ def test_oom_recovery_keeps_the_math(tmp_path):
     assert final.micro_batch * final.grad_accum == G and final.checkpoint == "none"
     assert res.report["oom_recoveries"] == len(events) and res.report["config"] == final.to_dict()
     assert all(r["peak_bytes"] is not None and r["peak_bytes"] <= budget for r in recs)  # measured, in budget
+    # predicted vs measured for the configuration that was measured: the starting one's predicted peak is not
+    # set against the recovered one's measured peak (micro-batch 8 never finished a step: it has no row)
+    [row] = res.report["configs"]
+    assert Config.from_dict(row["config"]) == final and row["steps"] == 4 and row["first_step"] == 0
+    assert row["predicted_peak_bytes"] == predict(wl, final, get_device("cpu")).peak_bytes < p8
+    assert row["measured_peak_bytes"] == max(r["peak_bytes"] for r in recs)
+    assert res.report["predicted_peak_bytes"] == row["predicted_peak_bytes"]
+    assert res.report["measured_peak_is"] == "live tensor bytes (CPU)"
 
     ref_out = tmp_path / "plain"
     ref = train(models.gpt_sdpa(layers=1), 4, G, config=Config(micro_batch=final.micro_batch), seed=5,
@@ -395,19 +435,6 @@ def small_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("small") / "run"
     train(builtin("mlp-tiny"), 2, 8, micro_batch=4, seed=1, checkpoint_every=1, progress=False, out=out)
     return out
-
-
-@pytest.mark.parametrize("change, pattern", [(dict(seed=2), r"seed 1 .*seed 2"),
-                                              (dict(global_batch=16), r"global batch 8.*global batch 16")])
-def test_resume_with_another_seed_or_global_batch_is_refused(small_run, tmp_path, change, pattern):
-    out = tmp_path / "run"
-    shutil.copytree(small_run, out)
-    before = (out / "metrics.jsonl").read_text(), saved_steps(out)
-    kw = dict(global_batch=8, seed=1) | change
-    with pytest.raises(RunError, match=pattern):
-        train(builtin("mlp-tiny"), 4, kw["global_batch"], micro_batch=4, seed=kw["seed"], resume=True,
-              progress=False, out=out)
-    assert ((out / "metrics.jsonl").read_text(), saved_steps(out)) == before  # nothing was touched
 
 
 def test_a_fresh_run_refuses_a_folder_that_holds_checkpoints(small_run, tmp_path):
@@ -471,6 +498,17 @@ def test_metrics_report_and_plots(tmp_path):
         assert isinstance(report[key], (int, float)) and report[key] > 0, key
     assert 0.5 < report["measured_peak_bytes"] / report["predicted_peak_bytes"] < 2
     assert report["steps"] == 6 and report["oom_recoveries"] == 0
+    assert report["deterministic"] is False and report["threads"] == torch.get_num_threads()
+    # on a CPU the measured peak counts live tensors, not the process: both are in the report, labelled
+    assert report["measured_peak_is"] == "live tensor bytes (CPU)"
+    assert report["process_peak_rss_bytes"] > report["measured_peak_bytes"]
+    from rich.console import Console
+
+    from memfit.report.tables import run_view
+    console = Console(record=True, width=200)
+    console.print(run_view(res))
+    text = console.export_text()
+    assert "peak memory, live tensor bytes (CPU)" in text and "process peak RSS" in text
     for name in ("loss.png", "memory.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, name
@@ -503,6 +541,300 @@ def test_the_sort_demo_learns(tmp_path):
     assert res.final_loss == losses[-1]
 
 
+# ------------------------------------------------------------------------------------------------ plan vs report
+
+
+def test_the_report_predicts_what_the_plan_printed(tmp_path):
+    """report.json's predicted step time and peak are plan.json's own figures, also with a long accumulation
+    (traced as two micro-steps: the report once priced it as one)."""
+    out = tmp_path / "run"
+    res = train(builtin("gpt-tiny"), 2, 16, budget="4MiB", progress=False, out=out)
+    saved = json.loads((out / "plan.json").read_text())
+    assert saved["config"]["grad_accum"] >= 3, "the budget no longer forces accumulation: nothing was tested"
+    assert res.config == Config.from_dict(saved["config"])
+    assert res.report["predicted_step_seconds"] == saved["step_seconds"]
+    assert res.report["predicted_peak_bytes"] == saved["peak_bytes"]
+    assert res.report["prediction_source"] == "plan"
+
+
+def test_a_run_at_a_given_micro_batch_predicts_what_plan_says_for_it(tmp_path):
+    wl, G, m = builtin("gpt-tiny"), 8, 2
+    res = train(wl, 2, G, micro_batch=m, progress=False, out=tmp_path / "run")
+    p = memfit.plan(wl, G, micro_batch=m, precision="fp32", checkpoint="none")
+    assert p.config == res.config and p.config.grad_accum == 4
+    assert res.report["predicted_step_seconds"] == p.step_seconds
+    assert res.report["predicted_peak_bytes"] == p.peak_bytes
+    assert res.report["prediction_source"] == "estimate"
+
+
+# ------------------------------------------------------------------------------------------------ resume checks
+
+
+def snapshot(out: Path) -> dict:
+    """Every file under the run folder with its bytes and modification time: 'touched nothing' means equal."""
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(out.rglob("*"))
+            if p.is_file()}
+
+
+def test_resume_of_a_finished_run_is_complete_and_touches_nothing(small_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(small_run, out)
+    before = snapshot(out)
+    res = train(builtin("mlp-tiny"), 2, 8, micro_batch=4, seed=1, resume=True, progress=False, out=out)
+    assert res.already_complete and res.steps == 2 and res.report["steps"] == 2
+    assert snapshot(out) == before
+    capsys.readouterr()
+    assert main(["train", "mlp-tiny", "--steps", "2", "--global-batch", "8", "--micro-batch", "4", "--seed", "1",
+                 "--resume", "--no-progress", "--out", str(out)]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert snapshot(out) == before
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(small_run, tmp_path):
+    """The run is at step 2: resuming it to 1 step used to write step-00000001.pt holding step 2."""
+    out = tmp_path / "run"
+    shutil.copytree(small_run, out)
+    before = snapshot(out)
+    with pytest.raises(RunError, match=r"already at step 2, past --steps 1; resume with --steps 2"):
+        train(builtin("mlp-tiny"), 1, 8, micro_batch=4, seed=1, resume=True, progress=False, out=out)
+    assert snapshot(out) == before
+
+
+@pytest.fixture(scope="module")
+def planned_run(tmp_path_factory) -> Path:
+    """A planned run (it has a plan.json), stopped halfway: steps 2 of 4 done."""
+    out = tmp_path_factory.mktemp("planned") / "run"
+    train(builtin("mlp-tiny"), 2, 8, seed=1, checkpoint_every=1, schedule="constant", progress=False, out=out)
+    for name in ("model.safetensors", "report.json"):
+        (out / name).unlink()
+    assert (out / "plan.json").exists()
+    return out
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(seed=2), r"saved with seed 1 and global batch 8; resuming with seed 2"),
+    (dict(global_batch=16), r"global batch 8; resuming with seed 1 and global batch 16"),
+    (dict(precision="bf16"), r"trains in fp32; resuming in bf16"),
+    (dict(workload="mlp"), r"holds a run of workload 'mlp-tiny', not 'mlp'"),
+    (dict(schedule="cosine"), r"LR schedule is constant"),
+    (dict(deterministic=True), r"started without --deterministic"),
+])
+def test_a_refused_resume_writes_nothing(planned_run, tmp_path, change, pattern):
+    """Everything is checked before anything is written: plan.json, metrics, checkpoints stay as they were
+    (a refused resume used to re-plan and overwrite plan.json first), and another workload is named as such
+    (not "a running trainer cannot change precision or optimizer offload")."""
+    out = tmp_path / "run"
+    shutil.copytree(planned_run, out)
+    before = snapshot(out)
+    kw = dict(global_batch=8, seed=1, schedule="constant") | change
+    with pytest.raises(RunError, match=pattern):
+        train(builtin(kw.pop("workload", "mlp-tiny")), 4, kw.pop("global_batch"), resume=True, progress=False,
+              out=out, **kw)
+    assert snapshot(out) == before
+
+
+def test_a_constant_schedule_resumes_to_more_steps_without_repeating_its_options(planned_run, tmp_path):
+    """--schedule and --deterministic default to the run's own; a constant schedule may be extended."""
+    out = tmp_path / "run"
+    shutil.copytree(planned_run, out)
+    res = train(builtin("mlp-tiny"), 4, 8, seed=1, resume=True, progress=False, out=out)
+    assert res.steps == 4 and [r["step"] for r in step_records(out)] == [0, 1, 2, 3]
+    assert len({r["lr"] for r in step_records(out)}) == 1
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["run"]["schedule"] == "constant"
+
+
+def overwrite_bytes_in_place(path: Path, tensor: torch.Tensor) -> None:
+    """The same size, other bytes: `tensor`'s data inside the file becomes NaN."""
+    data = bytearray(path.read_bytes())
+    old = tensor.numpy().tobytes()
+    at = bytes(data).index(old)
+    data[at: at + len(old)] = torch.full_like(tensor, float("nan")).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_resume_skips_a_checkpoint_changed_in_place_loudly_and_ends_where_the_run_ends(tmp_path, capsys):
+    """The newest checkpoint's weights are overwritten with NaNs of the same size: resume says so in one line,
+    goes back to the previous checkpoint, and ends bit for bit where the run had ended (it used to load the
+    NaNs without a word and export them)."""
+    out = tmp_path / "run"
+    train(builtin("mlp-tiny"), 4, 8, micro_batch=4, seed=1, checkpoint_every=1, progress=False, out=out)
+    want = weights(out)
+    newest = ckpt.checkpoint_path(out, 4)
+    overwrite_bytes_in_place(newest, ckpt.load_checkpoint(newest)["model"]["layers.0.0.weight"])
+    (out / "model.safetensors").unlink()
+    capsys.readouterr()
+    res = train(builtin("mlp-tiny"), 4, 8, micro_batch=4, seed=1, resume=True, progress=False, out=out)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: warning: skipping checkpoint") and "step-00000004.pt" in err[0]
+    assert "checksum" in err[0]
+    assert any(r.get("event") == "resumed from step-00000003.pt" for r in metric_lines(out))
+    got = weights(out)
+    assert all(torch.equal(got[k], want[k]) for k in want) and res.steps == 4
+
+
+# ------------------------------------------------------------------------------------------------ non-finite loss
+
+
+def blowing_up(after: int | None = None, lr: float = 0.01, scale: float = 1.0) -> memfit.Workload:
+    """A small regression whose loss turns NaN after `after` forward passes in this process (the estimator's
+    traces run in forked children and do not count), whose SGD step overflows the weights (`lr`), or whose
+    fp16 gradients overflow (`scale`)."""
+    parent, calls = os.getpid(), [0]
+
+    def loss(m, b):
+        out = torch.nn.functional.mse_loss(m(b["x"] * scale), b["y"])
+        if after is not None and os.getpid() == parent:
+            calls[0] += 1
+            if calls[0] > after:
+                out = out * float("nan")
+        return out
+
+    return memfit.Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                                             torch.nn.Linear(16, 1)),
+                           batch=lambda n: {"x": torch.randn(n, 8), "y": torch.randn(n, 1)}, loss=loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=lr), name="blowing-up")
+
+
+def assert_only_finite_checkpoints(out: Path, newest: int) -> None:
+    assert saved_steps(out)[-1] == newest and not (out / "model.safetensors").exists()
+    for _, path in ckpt.list_checkpoints(out):
+        state = ckpt.load_checkpoint(path)
+        assert all(torch.isfinite(t).all() for t in state["model"].values()), path
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match=r"^step 3: the loss is nan; .*the checkpoint of step 3 is intact"):
+        train(blowing_up(after=3), 6, 4, micro_batch=4, checkpoint_every=1, progress=False, out=out)
+    assert_only_finite_checkpoints(out, 3)
+    assert [r["step"] for r in step_records(out)] == [0, 1, 2]  # no NaN in metrics.jsonl
+    assert metric_lines(out)[-1] == {"step": 3, "event": "stopped: loss is nan"}
+
+
+def test_weights_that_overflow_are_never_saved(tmp_path):
+    """The loss of step 0 is finite, but its SGD step (lr inf) sends the weights to inf: the checkpoint is refused."""
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match=r"^step 1: parameter .* holds NaN or inf, so it was not saved; no checkpoint"):
+        train(blowing_up(lr=math.inf), 3, 4, micro_batch=4, checkpoint_every=1, progress=False, out=out)
+    assert not ckpt.list_checkpoints(out) and not (out / "model.safetensors").exists()
+
+
+def test_skipped_fp16_steps_are_normal(tmp_path):
+    """Under fp16 loss scaling an overflowing gradient skips the step (GradScaler): the loss is finite and the
+    run goes on, so no NaN check may stop it."""
+    res = train(blowing_up(scale=1e3), 4, 4, micro_batch=4, precision="fp16", progress=False, out=tmp_path / "run")
+    recs = step_records(tmp_path / "run")
+    assert res.steps == 4 and recs[-1]["skipped_fp16_steps"] >= 1
+    assert all(torch.isfinite(t).all() for t in weights(tmp_path / "run").values())
+
+
+def test_the_cli_exits_2_with_one_line_on_a_nan_loss(tmp_path, capsys):
+    job = tmp_path / "job.py"
+    job.write_text("import test_train\ndef workload():\n    return test_train.blowing_up(after=2)\n")
+    out = tmp_path / "run"
+    rc = main(["train", f"{job}:workload", "--steps", "5", "--global-batch", "4", "--micro-batch", "4",
+               "--checkpoint-every", "1", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("memfit: error: step 2: the loss is nan"), err
+    assert_only_finite_checkpoints(out, 2)
+
+
+# ------------------------------------------------------------------------------------------------ a full disk, Ctrl-C
+
+
+class FailingFile(io.FileIO):
+    """A checkpoint's temporary file whose third write raises `error`."""
+
+    def __init__(self, path, error: BaseException):
+        super().__init__(path, "wb")
+        self.error, self.writes = error, 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            raise self.error
+        return super().write(data)
+
+
+def fail_writing(monkeypatch, step: int, error: BaseException) -> None:
+    """The checkpoint of `step` fails while it is written, as a full disk (or a Ctrl-C) would make it."""
+    def opener(path, mode="r", *a, **k):
+        if f".step-{step:08d}.pt." in str(path) and mode == "wb":
+            return FailingFile(path, error)
+        return open(path, mode, *a, **k)
+    monkeypatch.setattr(ckpt, "open", opener, raising=False)
+
+
+CLI_RUN = ["train", "mlp-tiny", "--steps", "5", "--global-batch", "4", "--micro-batch", "4", "--checkpoint-every",
+           "1", "--no-progress"]
+
+
+@pytest.mark.parametrize("error, rc, said", [
+    (OSError(errno.ENOSPC, "No space left on device"), 2,
+     "memfit: error: disk full while saving step 3; the checkpoint of step 2 is intact"),
+    (KeyboardInterrupt(), 130, "memfit: interrupted while saving step 3; the checkpoint of step 2 is intact"),
+], ids=["disk-full", "second-ctrl-c"])
+def test_a_save_that_fails_says_which_checkpoint_is_intact(tmp_path, monkeypatch, capsys, error, rc, said):
+    out = tmp_path / "run"
+    fail_writing(monkeypatch, 3, error)
+    assert main([*CLI_RUN, "--out", str(out)]) == rc
+    assert capsys.readouterr().err.strip().splitlines() == [said]
+    monkeypatch.undo()
+    assert saved_steps(out) == [1, 2] and not tmp_files(out)
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["step"] == 2
+    # and from Python: the same line, as a RunError or a KeyboardInterrupt
+    fail_writing(monkeypatch, 3, error)
+    with pytest.raises(RunError if rc == 2 else KeyboardInterrupt, match=said.split(": ", 1)[1].removeprefix("error: ")):
+        train(builtin("mlp-tiny"), 5, 4, micro_batch=4, checkpoint_every=1, progress=False, out=tmp_path / "again")
+
+
+def test_train_reraises_ctrl_c_after_its_checkpoint(tmp_path):
+    """In Python, Ctrl-C finishes the step, writes the checkpoint and the report, then raises
+    KeyboardInterrupt (it used to return as if the run had ended)."""
+    parent, calls = os.getpid(), [0]
+    wl = builtin("mlp-tiny")
+    inner = wl.loss
+
+    def loss(m, b):
+        if os.getpid() == parent:
+            calls[0] += 1
+            if calls[0] == 2:  # during step 1
+                os.kill(parent, signal.SIGINT)
+        return inner(m, b)
+
+    wl.loss = loss
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt, match=r"checkpoint of step 2 written .*resume with --resume"):
+        train(wl, 6, 4, micro_batch=4, progress=False, out=out)
+    assert saved_steps(out) == [2] and ckpt.load_checkpoint(ckpt.latest_checkpoint(out))["step"] == 2
+    assert json.loads((out / "report.json").read_text())["steps"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ bad arguments
+
+
+@pytest.mark.parametrize("flag, value", [("--checkpoint-every", "-1"), ("--checkpoint-every", "0"), ("--steps", "0"),
+                                         ("--steps", "-3"), ("--global-batch", "0"), ("--micro-batch", "0")])
+def test_bad_counts_are_one_line_and_nothing_is_written(tmp_path, capsys, flag, value):
+    out = tmp_path / "run"
+    flags = {"--steps": "2", "--global-batch": "4", "--micro-batch": "4", "--out": str(out)} | {flag: value}
+    assert main(["train", "mlp-tiny", "--no-progress", *itertools.chain(*flags.items())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error:") and value in err[0], err
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ determinism
+
+
+def test_deterministic_mode_sets_and_restores_the_process_settings():
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    with deterministic_mode(True, threads + 1):
+        assert torch.are_deterministic_algorithms_enabled() and torch.get_num_threads() == threads + 1
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) == (threads, det)
+
+
 # ------------------------------------------------------------------------------------------------ interrupted runs
 
 
@@ -512,6 +844,18 @@ def test_kill_9_then_resume_is_bit_exact(runs, where):
     then resumed to the end. mid-checkpoint-write: kill -9 while a checkpoint's temporary file is half
     written. Both must end bit-identical to the uninterrupted run: weights, and each step's loss and lr."""
     assert_bit_identical(runs[where].result(timeout=600), runs["reference"].result(timeout=600), where)
+
+
+def test_deterministic_kill_9_then_resume_with_other_threads_is_bit_exact(runs):
+    """gpt-tiny (SDPA) under --deterministic with 2 threads, killed with kill -9 at a random step and resumed in
+    an environment asking for 1 thread: the run restores its 2 threads and ends bit for bit where the
+    uninterrupted --deterministic run ends."""
+    ref = runs["deterministic-reference"].result(timeout=600)
+    out = runs["deterministic"].result(timeout=600)
+    assert_bit_identical(out, ref, "deterministic")
+    for folder in (out, ref):
+        report = json.loads((folder / "report.json").read_text())
+        assert report["deterministic"] is True and report["threads"] == 2, report
 
 
 def test_ctrl_c_writes_a_checkpoint_at_the_step_it_stopped_and_resume_finishes(runs):

@@ -176,7 +176,7 @@ def cmd_train(args) -> int:
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
                    micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, schedule=args.schedule,
-                   progress=not args.no_progress, console=console)
+                   progress=not args.no_progress, console=console, deterministic=args.deterministic)
     from memfit.report.tables import run_view
     console.print(run_view(result))
     if workload.name == "sort" and (result.out / "model.safetensors").exists():
@@ -313,8 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="run folder (default: a new one under ./runs/)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="save a checkpoint every N steps (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    p.add_argument("--schedule", default="cosine", choices=["cosine", "onecycle", "constant"],
-                   help="learning-rate schedule over the run (default: %(default)s)")
+    p.add_argument("--schedule", choices=["cosine", "onecycle", "constant"],
+                   help="learning-rate schedule over the run (default: cosine; with --resume, the run's own)")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="deterministic kernels and a fixed thread count, so that a resumed run ends bit for bit as "
+                        "the uninterrupted run would (same machine and PyTorch); with --resume, as the run started")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the final report still prints)")
     p.set_defaults(fn=cmd_train)
 
@@ -342,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.fn(args)
-    except KeyboardInterrupt:
-        print("memfit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a run says which checkpoint it wrote or left intact
+        print(f"memfit: {e}" if str(e) else "memfit: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the user gets one line, the developer --debug
         if debug:

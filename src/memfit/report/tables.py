@@ -149,6 +149,8 @@ def max_batch_view(r: dict) -> Text:
 
 
 def run_view(result) -> Group:
+    """Predicted vs measured, each pair for the configuration it belongs to: after OOM recovery a run has
+    trained in more than one, and the first one's prediction says nothing about the last one's peak."""
     r = result.report
     finished = (result.out / "model.safetensors").exists()
     table = Table(title=f"run {'finished' if finished else 'stopped'} after {result.steps} steps · "
@@ -156,15 +158,30 @@ def run_view(result) -> Group:
     for col in ("", "predicted", "measured"):
         table.add_column(col, justify="right" if col else "left")
     fmt_b = lambda v: fmt_bytes(v) if v is not None else "-"  # noqa: E731
-    fmt_s = lambda v: f"{v * 1e3:.1f} ms" if v is not None else "-"  # noqa: E731
-    table.add_row("peak memory", fmt_b(r["predicted_peak_bytes"]), fmt_b(r["measured_peak_bytes"]))
-    table.add_row("step time", fmt_s(r["predicted_step_seconds"]), fmt_s(r["measured_step_seconds"]))
+    fmt_s = lambda v: _fmt_seconds(v) if v is not None else "-"  # noqa: E731
+    configs = r.get("configs") or [dict(r, steps=result.steps, first_step=0)]
+    measure = r.get("measured_peak_is", "measured")
+    for c in configs:
+        at = (f" · {_config_line(c['config'])}, steps {c['first_step']}-{c['first_step'] + c['steps'] - 1}"
+              if len(configs) > 1 else "")
+        table.add_row(f"peak memory, {measure}{at}", fmt_b(c["predicted_peak_bytes"]), fmt_b(c["measured_peak_bytes"]))
+        table.add_row(f"step time{at}", fmt_s(c["predicted_step_seconds"]), fmt_s(c["measured_step_seconds"]))
     table.add_row("samples/s", "", fmt_number(r['samples_per_second']) if r["samples_per_second"] else "-")
+    sources = {c.get("prediction_source") for c in configs}
+    table.caption = ("predicted: " + " / ".join(
+        "the plan's figures (plan.json)" if s == "plan" else "estimated for that configuration" if s == "estimate"
+        else str(s) for s in sorted(sources, key=str)))
     losses = [m["loss"] for m in result.metrics if "loss" in m]
     lines = [table]
     if losses:
         lines.append(Text(f"loss {losses[0]:.4f} → {losses[-1]:.4f}"
                           + (f" · {r['oom_recoveries']} OOM recoveries" if r["oom_recoveries"] else "")))
+    if r.get("process_peak_rss_bytes"):
+        lines.append(Text(f"process peak RSS {fmt_bytes(r['process_peak_rss_bytes'])}: the whole process (Python, "
+                          "PyTorch, allocator caches, the data), not only the tensors the peak above counts",
+                          style="dim"))
+    if r.get("deterministic"):
+        lines.append(Text(f"deterministic: deterministic kernels, {r['threads']} intra-op threads", style="dim"))
     files = "metrics.jsonl, loss.png, memory.png" + (", model.safetensors" if finished else ", checkpoints/")
     lines.append(Text(f"files in {result.out}: {files}", style="dim"))
     return Group(*lines)

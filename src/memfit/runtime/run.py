@@ -2,12 +2,20 @@
 redoes the same global batch with more memory savings, atomic checkpoints, exact resume, metrics, report.
 
 Follow one step in `_Run.loop`: draw the global batch -> `Trainer.step` -> on OOM, `_recover` picks the
-next configuration and the same batch is run again -> log a metrics line -> maybe checkpoint.
+next configuration and the same batch is run again -> a non-finite loss stops the run -> log a metrics
+line -> maybe checkpoint.
+
+Nothing is written before everything that can be checked has been: the arguments, and on `--resume` the
+newest intact checkpoint and the run it belongs to (workload, seed, global batch, precision, length, LR
+schedule, determinism), which every checkpoint records.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
+import functools
 import gc
 import json
 import math
@@ -21,16 +29,18 @@ import torch
 
 from memfit.config import Config
 from memfit.memory.devices import get_device
-from memfit.memory.estimate import estimate
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
 from memfit.runtime.trainer import Trainer
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
+SCHEDULES = ("cosine", "onecycle", "constant")
+
 
 class RunError(Exception):
-    """The run cannot go on (nothing fits, a bad resume); a checkpoint was written where possible."""
+    """The run cannot go on (nothing fits, a non-finite loss, a bad resume, a full disk); the message is one
+    line that says which checkpoint is intact."""
 
 
 @dataclasses.dataclass
@@ -41,6 +51,19 @@ class RunResult:
     final_loss: float
     metrics: list
     report: dict
+    already_complete: bool = False  # --resume found the run finished and touched nothing
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What memfit predicted for one configuration. `peak_bytes` is the figure comparable with the run's
+    measurement: live tensor bytes on a CPU, `max_memory_allocated` on a GPU. `source` is "plan" when the
+    figures are the plan's own (plan.json), "estimate" when this configuration was estimated for the run."""
+    config: Config
+    peak_bytes: int | None
+    step_seconds: float | None
+    source: str
+    estimate: object = None  # the Estimate, when there is one in this process (for memory.png)
 
 
 def lr_lambda(schedule: str, steps: int, warmup: int):
@@ -80,19 +103,139 @@ def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ predictions
+
+
+def _comparable_peak(est) -> int:
+    """The estimate's figure for what a run measures: allocator-rounded bytes on a GPU, live bytes on a CPU."""
+    return est.peak_allocated_bytes if est.peak_allocated_bytes is not None else est.peak_bytes
+
+
+def from_plan(p) -> Prediction:
+    """The plan's own figures: what plan.json says is what the report compares with."""
+    return Prediction(p.config, _comparable_peak(p.estimate), p.step_seconds, "plan", p.estimate)
+
+
+def predict(workload: Workload, config: Config, dev) -> Prediction:
+    """Peak and step time of `config`, priced as the planner prices a confirmed candidate (a long
+    accumulation traced as two micro-steps), so `memfit plan` and a run at the same configuration say the
+    same."""
+    from memfit.memory.estimate import run_isolated_many
+    from memfit.planner.costmodel import profile_for, step_seconds
+    from memfit.planner.search import _confirm
+
+    [(kind, est)] = run_isolated_many([functools.partial(_confirm, workload, config, dev)], workers=1)
+    if kind != "ok":
+        raise est
+    seconds = step_seconds(profile_for(dev), est, config.grad_accum / min(config.grad_accum, 2))
+    return Prediction(config, _comparable_peak(est), seconds, "estimate", est)
+
+
+def _saved_plan(out: Path, config: Config) -> Prediction | None:
+    """On resume: the first session's plan.json figures, when the run is still at the planned configuration."""
+    try:
+        saved = json.loads((out / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if Config.from_dict(saved["config"]) != config:
+        return None
+    est = saved.get("estimate") or {}
+    peak = est.get("peak_allocated_bytes") or est.get("peak_bytes")
+    return Prediction(config, peak, saved.get("step_seconds"), "plan")
+
+
+# ------------------------------------------------------------------------------------------ determinism
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool, threads: int):
+    """Same inputs, same bits, for the length of a run: deterministic kernels where PyTorch has a choice
+    (`use_deterministic_algorithms`, cuDNN without autotuning, cuBLAS with a fixed workspace) and a fixed
+    number of intra-op threads, because a CPU reduction split over another number of threads adds in
+    another order. The process's previous settings come back afterwards."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.get_num_threads(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts; harmless on a CPU
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.set_num_threads(before[2])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[3], before[4]
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup, schedule) -> None:
+    for name, value, least in (("steps", steps, 1), ("global batch", global_batch, 1),
+                               ("micro-batch", micro_batch, 1), ("checkpoint_every", checkpoint_every, 1),
+                               ("warmup", warmup, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}")
+
+
+def _check_resume(path: Path, state: dict, workload: Workload, *, seed, global_batch, steps, schedule, warmup,
+                  deterministic, precision) -> dict:
+    """Refuse a resume that would not continue the run the checkpoint belongs to; return the run's identity
+    with what was not given filled in from the checkpoint."""
+    saved = state.get("run") or {}
+    data = state["data_state"]
+    config = Config.from_dict(state["config"])
+    at = state["step"]
+    if saved.get("workload", workload.name) != workload.name:
+        raise RunError(f"{path}: this folder holds a run of workload {saved['workload']!r}, not {workload.name!r}; "
+                       f"resume it with {saved['workload']!r}, or start the new run in another folder")
+    if data.get("seed") != seed or data.get("global_batch") != global_batch:
+        raise RunError(f"{path}: saved with seed {data.get('seed')} and global batch {data.get('global_batch')}; "
+                       f"resuming with seed {seed} and global batch {global_batch} would change the data")
+    if precision is not None and precision != config.precision:
+        raise RunError(f"{path}: the run trains in {config.precision}; resuming in {precision} would change the math "
+                       f"and the optimizer state; resume without --precision or with --precision {config.precision}")
+    saved_schedule = saved.get("schedule") or schedule or "cosine"
+    if schedule is not None and saved_schedule != schedule:
+        raise RunError(f"{path}: the run's LR schedule is {saved_schedule}; resume without --schedule or with "
+                       f"--schedule {saved_schedule}")
+    schedule = saved_schedule
+    saved_steps = saved.get("steps") or (state.get("scheduler") or {}).get("total_steps") or steps
+    if at > steps:
+        raise RunError(f"{path}: the run is already at step {at}, past --steps {steps}; resume with --steps "
+                       f"{max(saved_steps, at)} (or start a shorter run in another folder)")
+    if saved_steps != steps and schedule != "constant":
+        raise RunError(f"{path}: its {schedule} LR schedule spans {saved_steps} steps and cannot be stretched to "
+                       f"{steps}; resume with --steps {saved_steps}")
+    saved_warmup = saved.get("warmup", warmup)
+    if warmup is not None and saved_warmup != warmup:
+        raise RunError(f"{path}: the run warms up over {saved_warmup} steps; resume without --warmup")
+    saved_det = bool(saved.get("deterministic", False))
+    if deterministic is not None and deterministic != saved_det:
+        raise RunError(f"{path}: the run was started {'with' if saved_det else 'without'} --deterministic; "
+                       f"resume it {'with' if saved_det else 'without'} it")
+    return dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps, schedule=schedule,
+                warmup=saved_warmup if saved_warmup is not None else max(1, steps // 20), deterministic=saved_det,
+                threads=int(saved["threads"]) if saved_det else torch.get_num_threads())
+
+
 class _Run:
-    def __init__(self, workload: Workload, steps: int, global_batch: int, out: Path, device: str,
-                 config: Config, seed: int, budget: int | None, checkpoint_every: int | None,
-                 schedule: str, warmup: int, console, predicted=None):
-        self.workload, self.steps, self.global_batch, self.out = workload, steps, global_batch, out
-        self.device, self.seed, self.budget, self.console = device, seed, budget, console
-        self.checkpoint_every = checkpoint_every
-        self.schedule, self.warmup = schedule, warmup
-        self.predicted = predicted  # Estimate of the starting configuration, for predicted vs measured
-        self.trainer = Trainer(workload, config, device=device, seed=seed, global_batch=global_batch)
-        self.scheduler = make_scheduler(self.trainer.optimizer, schedule, steps, warmup)
+    def __init__(self, workload: Workload, identity: dict, out: Path, device: str, config: Config,
+                 budget: int | None, checkpoint_every: int | None, console, predictions: dict):
+        self.workload, self.identity, self.out, self.device = workload, identity, out, device
+        self.steps, self.global_batch, self.seed = identity["steps"], identity["global_batch"], identity["seed"]
+        self.budget, self.console, self.checkpoint_every = budget, console, checkpoint_every
+        self.predictions = predictions  # Config -> Prediction, for predicted vs measured
+        self.trainer = Trainer(workload, config, device=device, seed=self.seed, global_batch=self.global_batch)
+        self.scheduler = make_scheduler(self.trainer.optimizer, identity["schedule"], self.steps, identity["warmup"])
         self.metrics_path = out / "metrics.jsonl"
         self.stop_requested = False
+        self.saved_step: int | None = None  # the newest checkpoint this run wrote or resumed from
         self.tracker = None
         if budget is not None and device == "cpu":  # a virtual device: count live bytes, OOM past the budget
             self.tracker = LiveBytes("cpu", budget=budget, detail=False)
@@ -101,35 +244,45 @@ class _Run:
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), torch.device(device))
 
     # -------------------------------------------------------------------------------- checkpoints
-    def save(self, step: int) -> Path:
-        e = self.trainer.engine
-        return ckpt.save_checkpoint(self.out, step, model=e.model, optimizer=e.optimizer, scaler=e.scaler,
-                                    scheduler=self.scheduler, config=self.trainer.config,
-                                    data_state={"seed": self.seed, "global_batch": self.global_batch},
-                                    optimizer_offload=e.optimizer_offload)
-
-    def resume(self) -> int:
+    def intact(self) -> str:
+        """Which checkpoint a failure leaves to resume from, checked (checksum and all), as a clause."""
         path = ckpt.latest_checkpoint(self.out)
         if path is None:
-            return 0
-        state = ckpt.load_checkpoint(path)
-        data = state["data_state"]
-        if data.get("seed") != self.seed or data.get("global_batch") != self.global_batch:
-            raise RunError(f"{path}: saved with seed {data.get('seed')} and global batch {data.get('global_batch')}; "
-                           f"resuming with seed {self.seed} and global batch {self.global_batch} would change the data")
-        total = (state.get("scheduler") or {}).get("total_steps")  # onecycle's length is part of its state
-        if total is not None and total != self.steps:
-            raise RunError(f"{path}: its onecycle LR schedule spans {total} steps and cannot be stretched to "
-                           f"{self.steps}; resume with --steps {total}")
-        saved = Config.from_dict(state["config"])
-        if saved != self.trainer.config:
-            self.trainer.reconfigure(saved)  # a configuration OOM recovery had moved to
+            return "no checkpoint of this run exists yet"
+        return f"the checkpoint of step {next(s for s, p in ckpt.list_checkpoints(self.out) if p == path)} is intact"
+
+    def save(self, step: int) -> Path:
+        """Checkpoint `step`, unless it already is; never with non-finite weights. A full disk or a Ctrl-C
+        during the write becomes one line saying which checkpoint is intact (the write is atomic)."""
+        path = ckpt.checkpoint_path(self.out, step)
+        if self.saved_step == step:
+            return path
+        e = self.trainer.engine
+        bad = next((n for n, p in e.model.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad is not None:
+            raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
+        try:
+            path = ckpt.save_checkpoint(self.out, step, model=e.model, optimizer=e.optimizer, scaler=e.scaler,
+                                        scheduler=self.scheduler, config=self.trainer.config,
+                                        data_state={"seed": self.seed, "global_batch": self.global_batch},
+                                        optimizer_offload=e.optimizer_offload, run=self.identity)
+        except OSError as err:
+            what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
+            raise RunError(f"{what} while saving step {step}; {self.intact()}") from err
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"interrupted while saving step {step}; {self.intact()}") from None
+        self.saved_step = step
+        return path
+
+    def restore(self, path: Path, state: dict) -> int:
         e = self.trainer.engine
         ckpt.restore(state, model=e.model, optimizer=e.optimizer, scaler=e.scaler, scheduler=self.scheduler,
                      optimizer_offload=e.optimizer_offload)
-        self.trainer.step_count = state["step"]
+        self.trainer.step_count = self.saved_step = state["step"]
         self._forget_metrics_from(state["step"])
         self._log_event(state["step"], f"resumed from {path.name}")
+        self.console.print(f"resumed from {path} (step {state['step']} of {self.steps}, "
+                           f"{_describe(self.trainer.config)})")
         return state["step"]
 
     def _forget_metrics_from(self, step: int) -> None:
@@ -177,8 +330,8 @@ class _Run:
                 self.trainer.step_count = step + 1
                 return loss, peak
             except torch.OutOfMemoryError as oom:
-                events.append(self._recover(step, oom))
                 torch.set_rng_state(rng)
+                events.append(self._recover(step, oom))
 
     def _recover(self, step: int, oom: Exception) -> str:
         """Free what the failed attempt held and move to the next configuration. Gradients are dropped (the
@@ -189,7 +342,7 @@ class _Run:
         e.optimizer.zero_grad(set_to_none=True)
         if phase == "optimizer":
             raise RunError(f"step {step}: out of memory inside the optimizer step; parameters may be partly "
-                           "updated, so the run stops here (resume from the last checkpoint)") from oom
+                           f"updated, so the run stops here; {self.intact()}") from oom
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -209,10 +362,9 @@ class _Run:
             f.write(json.dumps({"step": step, "event": text}) + "\n")
 
     # -------------------------------------------------------------------------------- the loop
-    def loop(self, start: int, progress: bool) -> list[dict]:
+    def loop(self, start: int, progress: bool) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        records: list[dict] = []
         # Ctrl-C finishes the step and checkpoints; Python lets only the main thread install a handler
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, self._interrupt) if main else None
@@ -224,34 +376,43 @@ class _Run:
                 for step in range(start, self.steps):
                     events: list[str] = []
                     t0 = time.perf_counter()
-                    loss, peak = self.step(step, events, measure=step < start + 3)
+                    try:
+                        loss, peak = self.step(step, events, measure=step < start + 3)
+                    except KeyboardInterrupt as e:
+                        if e.args:
+                            raise
+                        raise KeyboardInterrupt(f"stopped during step {step}, nothing of it saved; "
+                                                f"{self.intact()}") from None
                     seconds = time.perf_counter() - t0
+                    if not math.isfinite(loss):  # its weights went through an optimizer step: none is saved
+                        self._log_event(step, f"stopped: loss is {loss}")
+                        raise RunError(f"step {step}: the loss is {loss}; the run stops without saving anything "
+                                       f"of this step ({self.intact()}); a lower learning rate or a look at the "
+                                       "data may help")
                     lr = self.trainer.optimizer.param_groups[0]["lr"]
                     self.scheduler.step()
-                    skipped = self.trainer.engine.skipped_steps
+                    cfg = self.trainer.config
                     rec = dict(step=step, loss=loss, lr=lr, step_seconds=seconds,
                                samples_per_second=self.global_batch / seconds, peak_bytes=peak,
-                               micro_batch=self.trainer.config.micro_batch, skipped_fp16_steps=skipped,
-                               events=events)
-                    records.append(rec)
+                               micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
+                               checkpoint=cfg.to_dict()["checkpoint"],
+                               skipped_fp16_steps=self.trainer.engine.skipped_steps, events=events)
                     with open(self.metrics_path, "a") as f:
                         f.write(json.dumps(rec) + "\n")
                     info = f"loss {loss:.4f} · {rec['samples_per_second']:.0f} samples/s"
                     if peak is not None:
                         info += f" · peak {fmt_bytes(peak)}"
-                        if self.predicted is not None:
-                            info += f" (predicted {fmt_bytes(self.predicted.peak_bytes)})"
+                        if cfg in self.predictions and self.predictions[cfg].peak_bytes is not None:
+                            info += f" (predicted {fmt_bytes(self.predictions[cfg].peak_bytes)})"
                     bar.update(task, completed=step + 1, info=info)
                     done = step + 1
                     if self.stop_requested or (self.checkpoint_every and done % self.checkpoint_every == 0):
                         self.save(done)
                     if self.stop_requested:
-                        self.console.print(f"interrupted: checkpoint at step {done} written; resume with --resume")
                         break
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-        return records
 
     def _interrupt(self, signum, frame):
         if self.stop_requested:  # a second Ctrl-C stops at once
@@ -267,81 +428,165 @@ def _describe(cfg: Config) -> str:
     return text
 
 
+def _history(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def train(workload: Workload, steps: int, global_batch: int, *, budget=None, device: str = "cpu",
           config: Config | None = None, micro_batch: int | None = None, precision: str | None = None,
           seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None,
-          resume: bool = False, schedule: str = "cosine", warmup: int | None = None, progress: bool = True,
-          console=None) -> RunResult:
+          resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
+          console=None, deterministic: bool | None = None) -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
-    planner chooses one for the budget; with one, it is the starting point OOM recovery may still change."""
+    planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
+
+    schedule: cosine (warm-up, then down to 10%), onecycle or constant; None: as the run being resumed was
+    started (cosine for a new run).
+    deterministic: kernels and thread count fixed (see `deterministic_mode`) so that a run resumed after an
+    interruption ends bit for bit where the uninterrupted run ends, on the same machine and PyTorch build.
+    None: as the run being resumed was started (off for a new run).
+
+    Ctrl-C finishes the step, writes a checkpoint and the report, then raises KeyboardInterrupt; a second
+    Ctrl-C stops at once. A non-finite loss raises RunError without saving anything of that step.
+    """
     from rich.console import Console
 
+    console = console or Console()
+    _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup, schedule)
+    out = Path(out) if out else Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-" \
+                                               f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    state = path = None
+    if resume:
+        found = ckpt.load_latest(out)
+        if found is None:
+            what = "complete" if not ckpt.list_checkpoints(out) else "intact"
+            raise RunError(f"--resume: no {what} checkpoint under {out}")
+        path, state = found
+        identity = _check_resume(path, state, workload, seed=seed, global_batch=global_batch, steps=steps,
+                                 schedule=schedule, warmup=warmup, deterministic=deterministic,
+                                 precision=precision or (config.precision if config else None))
+        if state["step"] == steps and (out / "model.safetensors").exists() and (out / "report.json").exists():
+            console.print(f"already complete: step {steps} of {steps} in {out}; nothing to do")
+            history = _history(out)
+            losses = [r["loss"] for r in history if "loss" in r]
+            return RunResult(out=out, steps=steps, config=Config.from_dict(state["config"]),
+                             final_loss=losses[-1] if losses else float("nan"), metrics=history,
+                             report=json.loads((out / "report.json").read_text()), already_complete=True)
+    else:
+        if ckpt.list_checkpoints(out):  # a fresh run among them would resume into the old one
+            raise RunError(f"{out} already holds checkpoints of a run (newest: step {ckpt.list_checkpoints(out)[-1][0]}); "
+                           "resume it with --resume, or start the new run in another folder")
+        identity = dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps,
+                        schedule=schedule or "cosine",
+                        warmup=warmup if warmup is not None else max(1, steps // 20),
+                        deterministic=bool(deterministic), threads=torch.get_num_threads())
+    with deterministic_mode(identity["deterministic"], identity["threads"]):
+        return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
+                      micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
+                      progress=progress, console=console)
+
+
+def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
+           checkpoint_every, progress, console) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline
 
-    console = console or Console()
-    if steps < 1 or global_batch < 1:
-        raise ValueError("steps and global batch must be >= 1")
-    out = Path(out) if out else Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-" \
-                                               f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    if resume and ckpt.latest_checkpoint(out) is None:
-        raise RunError(f"--resume: no complete checkpoint under {out}")
-    if not resume and ckpt.list_checkpoints(out):  # a fresh run among them would resume into the old one
-        raise RunError(f"{out} already holds checkpoints of a run (newest: step {ckpt.list_checkpoints(out)[-1][0]}); "
-                       "resume it with --resume, or start the new run in another folder")
-    out.mkdir(parents=True, exist_ok=True)
+    steps, global_batch = identity["steps"], identity["global_batch"]
     dev = get_device(device)
     budget_bytes = resolve_budget(budget, dev) if budget is not None else None
-    predicted = None
-    if config is None and micro_batch is None:
+    predictions: dict[Config, Prediction] = {}
+    chosen = None
+    if state is not None:  # the run goes on in the configuration it was saved in
+        config = Config.from_dict(state["config"])
+        start = _saved_plan(out, config) or predict(workload, config, dev)
+    elif config is None and micro_batch is None:
         chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision)
-        config, predicted = chosen.config, chosen.estimate
-        (out / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=1))
-        console.print(f"plan: {_describe(config)}, {config.precision}, predicted peak {fmt_bytes(chosen.peak_bytes)}, "
-                      f"{chosen.samples_per_second:.1f} samples/s (saved to {out / 'plan.json'})")
+        config, start = chosen.config, from_plan(chosen)
     else:
         config = config or Config(micro_batch=micro_batch, precision=precision or "fp32")
         config = config.replace(grad_accum=math.ceil(global_batch / config.micro_batch))
-        predicted = estimate(workload, config, device=dev)
-    run = _Run(workload, steps, global_batch, out, dev.name if dev.kind == "cpu" else device, config, seed,
-               budget_bytes, checkpoint_every, schedule, warmup if warmup is not None else max(1, steps // 20),
-               console, predicted)
-    start = run.resume() if resume else 0
-    if start == 0 and not resume and run.metrics_path.exists():
+        start = predict(workload, config, dev)
+    predictions[config] = start
+    out.mkdir(parents=True, exist_ok=True)  # everything checked: from here on the run writes
+    if chosen is not None:
+        (out / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=1))
+        console.print(f"plan: {_describe(config)}, {config.precision}, predicted peak {fmt_bytes(chosen.peak_bytes)}, "
+                      f"{chosen.samples_per_second:.1f} samples/s (saved to {out / 'plan.json'})")
+    run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget_bytes,
+               checkpoint_every, console, predictions)
+    if state is not None:
+        run.restore(path, state)
+    elif run.metrics_path.exists():
         run.metrics_path.unlink()
-    records = run.loop(start, progress)
+    run.loop(run.trainer.step_count, progress)
     final = run.trainer.config
-    if run.trainer.step_count >= steps:
+    finished = run.trainer.step_count >= steps
+    if finished:
         run.save(steps)
         ckpt.export_safetensors(run.trainer.model, out / "model.safetensors")
-    history = [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line.strip()]
+    history = _history(out)
     losses = [r for r in history if "loss" in r]
-    report = _report(records, predicted, final, global_batch)
+    report = _report(workload, history, predictions, final, identity, run.device, dev)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    if losses:
+    if any(math.isfinite(r["loss"]) for r in losses):  # (a run never logs a non-finite loss; older logs might)
         plot_loss(losses, out / "loss.png", title=f"{workload.name}: training loss")
-    if predicted is not None:
-        plot_memory_timeline(predicted, out / "memory.png", title=f"{workload.name}: memory of one step (predicted)")
+    shown = predictions.get(final) or start
+    if shown.estimate is not None:
+        plot_memory_timeline(shown.estimate, out / "memory.png",
+                             title=f"{workload.name}: memory of one step at {_describe(shown.config)} (predicted)")
+    if run.stop_requested and not finished:
+        raise KeyboardInterrupt(f"interrupted: checkpoint of step {run.trainer.step_count} written to "
+                                f"{ckpt.checkpoint_path(out, run.trainer.step_count)}; resume with --resume")
     return RunResult(out=out, steps=run.trainer.step_count, config=final,
                      final_loss=losses[-1]["loss"] if losses else float("nan"), metrics=history, report=report)
 
 
-def _report(records: list[dict], predicted, config: Config, global_batch: int) -> dict:
-    steady = records[1:] or records  # the first step pays for allocator and kernel warm-up
-    times = sorted(r["step_seconds"] for r in steady)
-    peaks = [r["peak_bytes"] for r in steady if r["peak_bytes"] is not None]
-    median = times[len(times) // 2] if times else None
-    from memfit.planner.costmodel import profile_for, step_seconds
-    predicted_seconds = None
-    if predicted is not None:
-        try:
-            predicted_seconds = step_seconds(profile_for(get_device(predicted.device)), predicted,
-                                             config.grad_accum / max(1, Config.from_dict(predicted.config).grad_accum))
-        except Exception:  # noqa: BLE001 - a report without a time prediction is still a report
-            predicted_seconds = None
-    return dict(config=config.to_dict(), steps=len(records),
-                predicted_peak_bytes=predicted.peak_bytes if predicted else None,
-                measured_peak_bytes=max(peaks) if peaks else None,
-                predicted_step_seconds=predicted_seconds, measured_step_seconds=median,
-                samples_per_second=global_batch / median if median else None,
-                oom_recoveries=sum(len(r["events"]) for r in records))
+def peak_measure(device: str) -> str:
+    """What a run's measured peak is, in words: on a CPU it is not the process's memory."""
+    return "torch.cuda.max_memory_allocated" if device.startswith("cuda") else "live tensor bytes (CPU)"
+
+
+def _process_peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if os.uname().sysname == "Darwin" else rss * 1024  # macOS counts bytes, Linux KiB
+
+
+def _report(workload, history: list[dict], predictions: dict, final: Config, identity: dict, device: str,
+            dev) -> dict:
+    """Predicted vs measured per configuration the run trained in (OOM recovery may have moved it), each
+    prediction of the configuration it is compared with; the top-level figures are the final configuration's."""
+    groups: dict[Config, list[dict]] = {}
+    for r in (r for r in history if "loss" in r):
+        cfg = final.replace(micro_batch=r["micro_batch"], grad_accum=r.get("grad_accum", final.grad_accum),
+                            checkpoint=r.get("checkpoint", final.checkpoint))
+        groups.setdefault(cfg, []).append(r)
+    rows = []
+    for cfg, recs in groups.items():
+        if cfg not in predictions:
+            try:
+                predictions[cfg] = predict(workload, cfg, dev)
+            except Exception as e:  # noqa: BLE001 - the run is done; its report says what could not be predicted
+                predictions[cfg] = Prediction(cfg, None, None, f"not predicted: {type(e).__name__}: {e}"[:200])
+        p = predictions[cfg]
+        steady = [r for r in recs[1:] if not r["events"]] or recs  # a config's first step pays for its warm-up
+        times = sorted(r["step_seconds"] for r in steady)
+        peaks = [r["peak_bytes"] for r in recs if r["peak_bytes"] is not None]
+        rows.append(dict(config=cfg.to_dict(), steps=len(recs), first_step=recs[0]["step"],
+                         predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=max(peaks) if peaks else None,
+                         predicted_step_seconds=p.step_seconds, measured_step_seconds=times[len(times) // 2],
+                         prediction_source=p.source))
+    last = next((r for r in rows if Config.from_dict(r["config"]) == final), rows[-1] if rows else None)
+    top = {k: (last or {}).get(k) for k in ("predicted_peak_bytes", "measured_peak_bytes", "predicted_step_seconds",
+                                             "measured_step_seconds", "prediction_source")}
+    median = top["measured_step_seconds"]
+    return dict(config=final.to_dict(), steps=sum(r["steps"] for r in rows), **top,
+                measured_peak_is=peak_measure(device),
+                samples_per_second=identity["global_batch"] / median if median else None,
+                process_peak_rss_bytes=_process_peak_rss(),
+                oom_recoveries=sum(len(r["events"]) for r in history if "loss" in r),
+                deterministic=identity["deterministic"], threads=torch.get_num_threads(), configs=rows)
