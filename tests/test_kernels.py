@@ -1,8 +1,6 @@
 """memfit.memory.kernels: each CPU-kernel fix agrees with the real kernel and with the profiler's timeline."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +9,8 @@ import memfit
 from memfit.memory.kernels import lstm_workspace_bytes
 from memfit.torch_internals import TorchDispatchMode, profiler_surviving_allocations
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import models  # noqa: E402
-from truth import real_step_peak  # noqa: E402
+import models
+from truth import real_step_peak
 
 
 class _Workspaces(TorchDispatchMode):

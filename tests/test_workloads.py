@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +12,7 @@ from memfit.workload import Workload, WorkloadError
 from memfit.workloads import load_workload
 from memfit.workloads import BUILTIN_NAMES, builtin
 
-try:
-    import models
-except ImportError:  # run with --import-mode=importlib: the tests folder is not on sys.path
-    sys.path.insert(0, str(Path(__file__).parent))
-    import models
+import models
 
 SMALL_BUILTINS = ["gpt-tiny", "resnet-tiny", "mlp-tiny"]
 HF_TYPES = ["llama", "gpt2", "bert", "t5"]
