@@ -1,8 +1,6 @@
 """Every strategy leaves the training math unchanged (numerics against the plain step), and bad
 configurations fail with one clear message before anything is applied."""
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from memfit import Config, ConfigError, Trainer, TrainStep
 from memfit.strategies.checkpoint import chosen_blocks, find_blocks
 from memfit.workloads import builtin
 
-sys.path.insert(0, os.path.dirname(__file__))
-from numerics import gpt_gradient_terms, sum_tolerance  # noqa: E402
+from numerics import gpt_gradient_terms, sum_tolerance
 
 EPS32 = torch.finfo(torch.float32).eps
 SGD_LR = 0.1
