@@ -41,8 +41,7 @@ from memfit.runtime import checkpoints as ckpt
 from memfit.runtime.run import deterministic_mode, predict, train
 from memfit.workloads import builtin
 
-sys.path.insert(0, str(Path(__file__).parent))
-import models  # noqa: E402
+import models
 
 # The run the subprocess tests share: 12 steps of gpt-tiny (no dropout), 2 micro-batches of 2 per step,
 # checkpoints every 2 steps, cosine LR with warm-up.

@@ -167,10 +167,9 @@ def run_view(result) -> Group:
         table.add_row(f"peak memory, {measure}{at}", fmt_b(c["predicted_peak_bytes"]), fmt_b(c["measured_peak_bytes"]))
         table.add_row(f"step time{at}", fmt_s(c["predicted_step_seconds"]), fmt_s(c["measured_step_seconds"]))
     table.add_row("samples/s", "", fmt_number(r['samples_per_second']) if r["samples_per_second"] else "-")
-    sources = {c.get("prediction_source") for c in configs}
-    table.caption = ("predicted: " + " / ".join(
-        "the plan's figures (plan.json)" if s == "plan" else "estimated for that configuration" if s == "estimate"
-        else str(s) for s in sorted(sources, key=str)))
+    said = {"plan": "the plan's own figures (plan.json)", "estimate": "an estimate of the configuration measured"}
+    sources = sorted({str(c.get("prediction_source")) for c in configs})
+    table.caption = "predicted: " + " / ".join(said.get(s, s) for s in sources)
     losses = [m["loss"] for m in result.metrics if "loss" in m]
     lines = [table]
     if losses:

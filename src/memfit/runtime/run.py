@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -390,7 +391,9 @@ class _Run:
                                        f"of this step ({self.intact()}); a lower learning rate or a look at the "
                                        "data may help")
                     lr = self.trainer.optimizer.param_groups[0]["lr"]
-                    self.scheduler.step()
+                    with warnings.catch_warnings():  # a step GradScaler skipped is not a misordered scheduler
+                        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                        self.scheduler.step()
                     cfg = self.trainer.config
                     rec = dict(step=step, loss=loss, lr=lr, step_seconds=seconds,
                                samples_per_second=self.global_batch / seconds, peak_bytes=peak,
