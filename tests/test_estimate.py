@@ -168,3 +168,34 @@ def test_tied_weights_count_once():
     model = models.lstm_lm().model()
     assert est.parameters == sum(p.numel() for p in model.parameters())  # parameters() already dedupes
     assert est.model_state_bytes["parameters"] == est.parameters * 4
+
+
+def test_a_model_that_cannot_train_at_micro_batch_1_says_so_and_the_cli_picks_one_that_works(capfd):
+    """resnet-tiny's BatchNorm sees 1x1 features: one sample gives one value per channel, which training
+    rejects. An explicit micro-batch 1 is one clear error; no micro-batch given means the smallest that works."""
+    import json
+
+    from memfit.cli import main
+    from memfit.memory.estimate import MicroBatchError
+    from memfit.memory.summary import summarize
+
+    wl = builtin("resnet-tiny")
+    with pytest.raises(MicroBatchError, match="cannot train at micro-batch 1 .*value per channel.*trains at is 2"):
+        memfit.estimate(wl, Config(micro_batch=1))
+    with pytest.raises(MicroBatchError, match="trains at is 2"):
+        summarize(wl)
+
+    assert main(["estimate", "resnet-tiny", "--json"]) == 0
+    out = json.loads(capfd.readouterr().out)
+    assert out["config"]["micro_batch"] == 2
+    assert out["notes"][0].startswith("micro-batch not given: 2, the smallest resnet-tiny trains at")
+    assert main(["summary", "resnet-tiny"]) == 0
+    assert "micro-batch not given: 2" in " ".join(capfd.readouterr().out.split())
+    assert main(["estimate", "resnet-tiny", "--micro-batch", "1"]) == 2
+    captured = capfd.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and "cannot train at micro-batch 1" in err[0]
+    # a model that trains at 1 is traced at 1, as before
+    assert main(["estimate", "mlp-tiny", "--json"]) == 0
+    out = json.loads(capfd.readouterr().out)
+    assert out["config"]["micro_batch"] == 1 and out["notes"][0].startswith("micro-batch not given: 1")

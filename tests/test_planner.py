@@ -3,6 +3,7 @@ and the step-time model's basic orderings."""
 import json
 
 import pytest
+import torch
 
 import memfit
 from memfit import Config
@@ -52,8 +53,9 @@ def test_fixed_choices_are_honoured(gpt):
 
 
 def test_an_impossible_budget_says_what_it_would_take(gpt):
-    with pytest.raises(PlanError, match="nothing fits .* needs at least .* of budget"):
+    with pytest.raises(PlanError, match="nothing fits .* needs at least .* of budget") as e:
         plan(gpt, 8, budget="100KiB", precision="fp32", checkpoint="all", profile=FLAT)
+    assert "world size" not in str(e.value)  # nothing distributed exists
 
 
 def test_the_largest_micro_batch_fits_and_the_next_does_not(gpt):
@@ -204,3 +206,195 @@ def test_a_workload_that_raises_is_one_clear_error():
     wl = memfit.Workload(model=model, batch=lambda n: torch.randn(n, 4), loss=lambda m, b: m(b).sum())
     with pytest.raises(WorkloadError, match="raised: RuntimeError: boom"):
         plan(wl, 8, budget="1GiB", profile=FLAT)
+
+
+def test_a_model_that_cannot_train_at_micro_batch_1_is_planned_from_2(gpt):
+    from memfit.memory.estimate import MicroBatchError
+
+    wl = builtin("resnet-tiny")
+    p = plan(wl, 8, budget="1GiB", precision="fp32", checkpoint="none", profile=FLAT)
+    assert p.config.micro_batch >= 2 and p.config.global_batch == 8
+    assert any("cannot train at micro-batch 1" in n and "probed at 2 and 4" in n for n in p.notes)
+    assert all(a.config.micro_batch >= 2 for a in p.alternatives)
+    with pytest.raises(MicroBatchError, match="cannot train at micro-batch 1"):
+        plan(wl, 8, budget="1GiB", precision="fp32", checkpoint="none", micro_batch=1, profile=FLAT)
+
+
+class _Flaky(torch.nn.Module):
+    """A block whose recomputation differs from its forward (it counts its calls): checkpointing it raises,
+    as selective checkpointing did on transformers' GPT-2."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.lin(x)
+        return (h @ torch.ones(16, 16) if self.calls % 2 == 0 else h).relu()
+
+
+def test_a_family_that_raises_is_skipped_with_its_reason():
+    wl = memfit.Workload(model=lambda: torch.nn.Sequential(_Flaky(), _Flaky()), batch=lambda n: torch.randn(n, 16),
+                         loss=lambda m, b: m(b).square().mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         name="flaky")
+    p = plan(wl, 4, budget="1GiB", precision="fp32", profile=FLAT)
+    assert p.config.checkpoint == "none"
+    verdicts = dict(p.families)
+    assert verdicts["fp32, checkpoint none"].startswith("chosen")
+    assert verdicts["fp32, checkpoint selective"].startswith("skipped: tracing it raised RuntimeError: aten.")
+
+
+def test_the_largest_micro_batch_is_not_capped():
+    """A model this small fits far more than 65,536 samples (the old silent cap) in a modest budget."""
+    wl = memfit.Workload(model=lambda: torch.nn.Linear(4, 2), batch=lambda n: torch.randn(n, 4),
+                         loss=lambda m, b: m(b).sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), name="tiny")
+    per_sample = memfit.estimate(wl, Config(micro_batch=2)).peak_bytes - memfit.estimate(wl, Config()).peak_bytes
+    budget = int(300_000 * per_sample / (1 - MARGIN))
+    r = max_micro_batch(wl, budget=budget)
+    m = r["micro_batch"]
+    assert m > 1 << 16
+    assert memfit.estimate(wl, Config(micro_batch=m)).peak_bytes <= r["usable_bytes"]
+    assert memfit.estimate(wl, Config(micro_batch=m + 1)).peak_bytes > r["usable_bytes"]
+
+
+@pytest.mark.parametrize("flag,value,says", [("--micro-batch", "0", "must be at least 1"),
+                                             ("--global-batch", "0", "must be at least 1"),
+                                             ("--verify-steps", "0", "must be at least 1"),
+                                             ("--budget", "0", "must be more than 0"),
+                                             ("--micro-batch", "3", "does not divide the global batch 8"),
+                                             ("--micro-batch", "16", "does not divide the global batch 8")])
+def test_bad_numbers_are_refused_before_anything_is_loaded(capfd, flag, value, says):
+    """The workload file does not exist: an error about the numbers proves they were checked first."""
+    args = {"--global-batch": "8", "--budget": "1GiB", flag: value}
+    assert main(["plan", "no/such/job.py:workload", *[x for kv in args.items() for x in kv]]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    for cmd in ("estimate", "summary"):
+        assert main([cmd, "no/such/job.py:workload", "--micro-batch", "0"]) == 2
+        assert main([cmd, "no/such/job.py:workload", "--grad-accum", "0"]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and all("must be at least 1" in e for e in err)
+
+
+# ------------------------------------------------------------------------------------------ step-time model
+
+def _ops(*rows, phase="forward"):
+    """An OpTable of (name, kind, flops, bytes) rows."""
+    from memfit.planner.costmodel import OpTable
+    names, kinds, flops, nbytes = zip(*rows)
+    return OpTable({"name": list(names), "kind": list(kinds), "flops": list(flops), "bytes": list(nbytes),
+                    "alloc": [0] * len(rows), "phase": [phase] * len(rows)})
+
+
+# FLAT plus class curves: convolutions 10x slower than matmuls, bf16 attention backward 10x slower than
+# its FLOPs at the matmul rate, bf16 elementwise ops half fp32's rate per byte, exp-like ops 10x slower
+CURVED = Profile(**{**FLAT.to_dict(), "curves": {
+    "conv.f32": [[1e6, 1e-4], [1e9, 0.1]], "attn_bwd.lp": [[1e6, 2e-4], [1e9, 0.2]],
+    "elementwise.f32": [[1e3, 5e-8], [1e9, 0.05]], "elementwise.lp": [[1e3, 1e-7], [1e9, 0.1]],
+    "special.f32": [[1e3, 5e-7], [1e9, 0.5]]}})
+
+
+def _busy(profile, *op) -> float:
+    from memfit.planner.costmodel import phase_seconds
+    return phase_seconds(profile, _ops(op), ("forward",)) - profile.op_overhead
+
+
+def test_step_time_model_prices_each_class_of_op_by_its_own_curve():
+    lp_matmul = 1e9 / 1e12 * 20.0  # FLAT's bf16 matmul curve at 1 GFLOP
+    # a convolution by its FLOPs on the convolution curve; without one, on the matmul curve
+    assert _busy(CURVED, "convolution", "f32", 1e9, 1e3) == pytest.approx(0.1)
+    assert _busy(FLAT, "convolution", "f32", 1e9, 1e3) == pytest.approx(0.01)
+    assert _busy(CURVED, "convolution_backward", "f32", 1e9, 1e3) == pytest.approx(0.01)  # no curve of its own
+    # bf16 attention backward: its own curve, not the matmul's, and not priced as random numbers
+    assert _busy(CURVED, "_scaled_dot_product_flash_attention_for_cpu_backward", "lp", 1e9, 1e3) == pytest.approx(0.2)
+    assert _busy(CURVED, "mm", "lp", 1e9, 1e3) == pytest.approx(lp_matmul)
+    # elementwise by bytes at the dtype's rate: a bf16 multiply of half the bytes costs as much as fp32's
+    assert _busy(CURVED, "mul", "f32", 0, 1e9) == pytest.approx(0.05)
+    assert _busy(CURVED, "mul", "lp", 0, 0.5e9) == pytest.approx(0.05)
+    assert _busy(CURVED, "some_new_op", "f32", 0, 1e9) == pytest.approx(0.05)
+    for name in ("silu", "silu_backward", "_log_softmax", "native_layer_norm_backward", "native_batch_norm"):
+        assert _busy(CURVED, name, "f32", 0, 1e9) == pytest.approx(0.5), name
+    assert _busy(CURVED, "silu", "lp", 0, 1e9) == pytest.approx(0.1)  # no special bf16 curve: elementwise's
+    # a fake tensor's `.device` is an op only under fake tensors: no time, no dispatch
+    from memfit.planner.costmodel import phase_seconds
+    assert phase_seconds(CURVED, _ops(("device", "f32", 0, 1e9)), ("forward",)) == 0
+
+
+def test_traced_attention_is_priced_by_flops_and_fake_only_ops_are_dropped(gpt):
+    from memfit.planner.costmodel import OpTable
+    ops = memfit.estimate(gpt, Config(micro_batch=2)).ops
+    attention = [(k, f) for n, k, f in zip(ops["name"], ops["kind"], ops["flops"]) if "attention" in n]
+    assert attention and all(k == "f32" and f > 0 for k, f in attention)  # not "rng" for its dropout argument
+    assert "device" in ops["name"]
+    assert int(OpTable(ops).real.sum()) == sum(n != "device" for n in ops["name"])
+
+
+def _measured(**changes) -> Profile:
+    import time
+
+    from memfit.planner.costmodel import machine
+    return Profile(**{**FLAT.to_dict(), "machine": machine("cpu"), "measured_at": time.time(), "rng_rate": 1e8,
+                      **changes})
+
+
+def test_a_calibration_taken_under_load_is_suspect_and_measured_again(monkeypatch):
+    from memfit.planner import costmodel
+    good = _measured()
+    assert costmodel._problems(good, {"per-op cost": [5e-6, 6e-6]}, 0.1) == []
+    bad = _measured(op_overhead=2.16e-3, matmul={"f32": [[1e6, 1e-4], [1e9, 1e-5]], "lp": FLAT.matmul["lp"]})
+    problems = costmodel._problems(bad, {"per-op cost": [2.16e-3, 9e-6]}, 1.4)
+    assert len(problems) == 4
+    assert "2160 us per op" in problems[0] and "2160.0 us, then 9.0 us" in problems[1]
+    assert "matmul.f32: a larger size ran faster" in problems[2] and "1.4 cores" in problems[3]
+    # calibrate measures a suspect calibration once more, and keeps the good one
+    bad.problems = problems
+    runs = iter([bad, good])
+    monkeypatch.setattr(costmodel, "_calibrate_once", lambda dev: next(runs))
+    assert costmodel.calibrate("cpu") is good
+    runs = iter([bad, bad])
+    assert costmodel.calibrate("cpu").problems == problems
+    assert "SUSPECT" in costmodel.describe(bad)
+
+
+def test_stale_profiles_are_measured_again_with_a_notice(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from memfit.planner import costmodel
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    fresh = _measured()
+    assert costmodel.stale(fresh) is None
+    for key in ("torch", "cpu", "threads"):
+        changed = dataclasses.replace(fresh, machine={**fresh.machine, key: "other"})
+        assert costmodel.stale(changed).startswith(f"{key} changed from other")
+    assert "31 days ago" in costmodel.stale(fresh, now=fresh.measured_at + 31 * 86400)
+    suspect = dataclasses.replace(fresh, problems=["busy"])
+    assert costmodel.stale(suspect) is None  # kept for an hour: not measured again at every plan
+    assert "looked wrong (busy)" in costmodel.stale(suspect, now=fresh.measured_at + 7200)
+
+    calls = []
+    monkeypatch.setattr(costmodel, "calibrate", lambda device: calls.append(device) or _measured())
+    cpu = get_device("cpu")
+    costmodel.profile_for(cpu)
+    err = capsys.readouterr().err
+    assert calls == ["cpu"] and "calibrating this CPU" in err and str(costmodel.profile_path(costmodel.cpu_key())) in err
+    costmodel.profile_for(cpu)  # cached
+    assert calls == ["cpu"] and capsys.readouterr().err == ""
+    costmodel.save_profile(dataclasses.replace(fresh, machine={**fresh.machine, "torch": "1.0"}), costmodel.cpu_key())
+    costmodel.profile_for(cpu)
+    assert calls == ["cpu", "cpu"] and "torch changed from 1.0" in capsys.readouterr().err
+
+
+def test_cli_calibrate_refuses_a_suspect_calibration(tmp_path, monkeypatch, capfd):
+    from memfit.planner import costmodel
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(costmodel, "calibrate", lambda device: _measured(problems=["other processes used 1.4 cores"]))
+    assert main(["calibrate"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "calibration rejected, nothing saved: other processes used 1.4 cores" in err[0]
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(costmodel, "calibrate", lambda device: _measured())
+    assert main(["calibrate"]) == 0
+    out = capfd.readouterr().out
+    assert "us per op" in out and costmodel.profile_path(costmodel.cpu_key()).is_file()

@@ -41,7 +41,8 @@ _PRECISION_HELP = ("fp32; bf16 = bf16 autocast, fp32 weights; fp16 = fp16 autoca
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--micro-batch", type=int, default=1, help="samples per forward/backward pass")
+    p.add_argument("--micro-batch", type=int,
+                   help="samples per forward/backward pass (default: 1, or the smallest the model trains at)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=_PRECISION_HELP + " (default: fp32)")
     p.add_argument("--checkpoint", type=_checkpoint_arg, default="none",
@@ -60,9 +61,32 @@ def _config(args) -> Config:
             with open(text) as f:
                 text = f.read()
         return Config.from_json(text)
-    return Config(micro_batch=args.micro_batch, grad_accum=args.grad_accum, precision=args.precision,
+    return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=args.precision,
                   checkpoint=args.checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer)
+
+
+def _check_counts(args, *names: str) -> None:
+    """Counts are whole numbers >= 1, checked before anything is loaded or traced."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _smallest(args, run, config: Config):
+    """`run(config)`, and when no micro-batch was given a note on the one used: 1, or the smallest the model
+    trains at when it rejects 1 (BatchNorm over one sample)."""
+    from memfit.memory.estimate import MicroBatchError
+
+    if args.micro_batch is not None or args.config:
+        return run(config), None
+    try:
+        return run(config), f"micro-batch not given: {config.micro_batch} (--micro-batch to choose)"
+    except MicroBatchError as e:
+        note = (f"micro-batch not given: {e.smallest}, the smallest {e.workload} trains at (at {e.micro_batch}: "
+                f"{e.reason})")
+        return run(config.replace(micro_batch=e.smallest)), note
 
 
 def cmd_estimate(args) -> int:
@@ -70,10 +94,13 @@ def cmd_estimate(args) -> int:
     from memfit.memory.estimate import estimate
     from memfit.workloads import load_workload
 
+    _check_counts(args, "micro_batch", "grad_accum")
     config = _config(args)
     device = get_device(args.device)
     workload = load_workload(args.workload, **_options(args))
-    est = estimate(workload, config, device=device)
+    est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
+    if note:
+        est.notes.insert(0, note)
     if args.json:
         print(json.dumps(est.to_dict()))
     else:
@@ -88,27 +115,38 @@ def cmd_summary(args) -> int:
     from memfit.memory.summary import summarize
     from memfit.workloads import load_workload
 
+    _check_counts(args, "micro_batch", "grad_accum")
+    config = _config(args)
     workload = load_workload(args.workload, **_options(args))
-    rows = summarize(workload, _config(args))
+    rows, note = _smallest(args, lambda c: summarize(workload, c), config)
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
+        if note:  # stdout stays the rows alone
+            print(f"memfit: note: {note}", file=sys.stderr)
     else:
         from rich.console import Console
 
         from memfit.report.tables import summary_view
         console = Console()
         console.width = max(console.width, 120)  # a per-module table is wide; wrapping makes it unreadable
-        console.print(summary_view(workload.name, rows))
+        console.print(summary_view(workload.name, rows, note))
     return 0
 
 
 def cmd_plan(args) -> int:
     from memfit.memory.devices import get_device
-    from memfit.planner.search import plan
+    from memfit.planner.search import check_batches, plan, resolve_budget
     from memfit.workloads import load_workload
 
-    workload = load_workload(args.workload, **_options(args))
+    _check_counts(args, "global_batch", "micro_batch", "verify_steps")
     device = get_device(args.device)
+    if resolve_budget(args.budget, device) < 1:
+        raise ValueError(f"--budget must be more than 0 bytes, got {args.budget!r}")
+    if not args.max_micro_batch:
+        if args.global_batch is None:
+            raise ValueError("plan needs --global-batch (samples per optimizer step)")
+        check_batches(args.global_batch, args.micro_batch)
+    workload = load_workload(args.workload, **_options(args))
     fixed = dict(precision=args.precision, micro_batch=args.micro_batch, checkpoint=args.checkpoint,
                  offload_activations=True if args.offload_activations else None,
                  offload_optimizer=True if args.offload_optimizer else None)
@@ -122,8 +160,6 @@ def cmd_plan(args) -> int:
             from memfit.report.tables import max_batch_view
             Console().print(max_batch_view(result))
         return 0
-    if args.global_batch is None:
-        raise ValueError("plan needs --global-batch (samples per optimizer step)")
     result = plan(workload, args.global_batch, budget=args.budget, device=device, **fixed)
     verified = None
     if args.verify:
@@ -146,18 +182,16 @@ def cmd_plan(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from memfit.planner.costmodel import calibrate, save_profile
+    from memfit.planner.costmodel import calibrate, cpu_key, describe, save_profile
 
     profile = calibrate(args.device)
-    path = save_profile(profile, "cpu" if args.device == "cpu" else profile.device)
+    if profile.problems:  # the profile in use, if any, stays
+        raise ValueError(f"calibration rejected, nothing saved: {'; '.join(profile.problems)}; run it on a quiet machine")
+    path = save_profile(profile, cpu_key() if args.device == "cpu" else profile.device)
     if args.json:
         print(json.dumps(profile.to_dict()))
     else:
-        best = {k: max(f / t for f, t in pts) for k, pts in profile.matmul.items()}
-        print(f"{profile.device}: matmul up to {best['f32'] / 1e9:.1f} GFLOP/s fp32, {best['lp'] / 1e9:.1f} GFLOP/s "
-              f"bf16; copy {profile.bandwidth / 1e9:.1f} GB/s (from cache up to "
-              f"{max(r for _, r in profile.cache_bandwidth) / 1e9:.1f}); dropout "
-              f"{1e9 / profile.rng_rate:.1f} ns per random number; {profile.op_overhead * 1e6:.1f} us per op"
+        print(f"{profile.device}: {describe(profile)}; dropout {1e9 / profile.rng_rate:.1f} ns per random number"
               + (f"; page faults {profile.fault_seconds * 2**30 * 1e3:.0f} ms per fresh GiB" if profile.fault_seconds
                  else "")
               + (f"; host link {profile.link_bandwidth / 1e9:.1f} GB/s" if profile.kind == "cuda" else "")

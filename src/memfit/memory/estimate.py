@@ -39,6 +39,30 @@ class EstimateError(Exception):
     """The step could not be traced, measured or extrapolated; the message says why."""
 
 
+class MicroBatchError(WorkloadError):
+    """The model cannot train at this micro-batch, though it trains at a larger one: batch statistics of a
+    single sample (BatchNorm whose features reach 1x1, any BatchNorm1d) are the common case."""
+
+    def __init__(self, workload: str, micro_batch: int, smallest: int, reason: str):
+        self.workload, self.micro_batch, self.smallest, self.reason = workload, micro_batch, smallest, reason
+        super().__init__(f"{workload} cannot train at micro-batch {micro_batch} ({reason}); the smallest "
+                         f"micro-batch it trains at is {smallest}")
+
+    def __reduce__(self):  # crosses from a tracing child to the parent by pickle
+        return MicroBatchError, (self.workload, self.micro_batch, self.smallest, self.reason)
+
+
+# The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
+# give batch statistics more than one value per channel).
+PROBES = (1, 2)
+PROBES_WITHOUT_1 = (2, 4)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 @dataclasses.dataclass
 class Estimate:
     workload: str
@@ -96,8 +120,36 @@ def estimate(workload: Workload, config: Config | None = None, device: str | Dev
     except (WorkloadError, ConfigError):
         raise
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
-        reason = f"{type(fake_error).__name__}: {str(fake_error).splitlines()[0] if str(fake_error) else ''}"
-    return run(lambda: _fallback(workload, config, dev, reason))
+        reason = first_line(fake_error)
+    try:
+        return run(lambda: _fallback(workload, config, dev, reason))
+    except WorkloadError:  # the real step failed too: at micro-batch 1, say whether 2 would train
+        if config.micro_batch != 1 or not _traces_at(run, workload, config, dev, PROBES_WITHOUT_1[0]):
+            raise
+        raise MicroBatchError(workload.name, 1, PROBES_WITHOUT_1[0], reason) from None
+
+
+def _traces_at(run, workload: Workload, config: Config, dev: Device, micro_batch: int) -> bool:
+    try:
+        run(lambda: _trace(workload, config.replace(micro_batch=micro_batch, grad_accum=1), dev, True))
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no
+        return False
+
+
+def probe_traces(workload: Workload, config: Config, dev: Device) -> tuple[list[Estimate], str | None]:
+    """The planner's two probes (one build, primed state, a step at each of PROBES); for a model that cannot
+    train at micro-batch 1, a fresh build probed at PROBES_WITHOUT_1, with the reason 1 failed (else None).
+    A failure at both is reported as the first one."""
+    try:
+        return _traces(workload, config, dev, True, list(PROBES)), None
+    except (WorkloadError, ConfigError, EstimateError):
+        raise
+    except Exception as first:
+        try:
+            return _traces(workload, config, dev, True, list(PROBES_WITHOUT_1)), first_line(first)
+        except Exception:  # noqa: BLE001 - the first failure is the one to report
+            raise first from None
 
 
 def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu") -> int:
@@ -150,7 +202,7 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
         for size in sizes:
             est = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
             est.method = "fake" if fake else "measured"
-            if size != config.global_batch:
+            if sizes != [config.global_batch]:
                 est.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(est)
     return results
@@ -191,7 +243,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     est.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
     est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "alloc": tracker.op_alloc,
-               "kind": tracker.op_kind, "phase": tracker.op_phase}
+               "kind": tracker.op_kind, "phase": tracker.op_phase, "name": tracker.op_name}
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)
     if cuda_target:

@@ -6,12 +6,13 @@ import dataclasses
 
 import torch
 
-from memfit.config import Config
+from memfit.config import Config, ConfigError
+from memfit.memory.estimate import PROBES_WITHOUT_1, MicroBatchError, first_line
 from memfit.memory.fake import SameModeDeepcopy, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.strategies import autocast_context
-from memfit.workload import Workload, tensors_of
+from memfit.workload import Workload, WorkloadError, tensors_of
 
 
 @dataclasses.dataclass
@@ -26,7 +27,23 @@ class ModuleRow:
 
 
 def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRow]:
+    """Rows in module order. A model that cannot train at micro-batch 1 but does at 2 raises MicroBatchError."""
     config = config or Config()
+    try:
+        return _summarize(workload, config)
+    except (WorkloadError, ConfigError):
+        raise
+    except Exception as e:
+        if config.micro_batch != 1:
+            raise
+        try:
+            _summarize(workload, config.replace(micro_batch=PROBES_WITHOUT_1[0]))
+        except Exception:  # noqa: BLE001 - not a matter of size: the first failure is the one to report
+            raise e from None
+        raise MicroBatchError(workload.name, 1, PROBES_WITHOUT_1[0], first_line(e)) from None
+
+
+def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
     with new_fake_mode():
         with SameModeDeepcopy():
             step = TrainStep(workload, config, "cpu")

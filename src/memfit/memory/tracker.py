@@ -70,6 +70,7 @@ class LiveBytes(TorchDispatchMode):
         # | "host" | "link" (host<->device copy)
         self.op_kind: list[str] = []
         self.op_phase: list[str] = []
+        self.op_name: list[str] = []  # aten op, without overload: the step-time model prices some by name
         self.phase_peaks: dict[str, int] = {}  # the highest live total seen in each phase
         self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
         self._active = True
@@ -200,8 +201,9 @@ class LiveBytes(TorchDispatchMode):
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
             if on_host_side():
                 kind = "link" if func is torch.ops.aten.copy_.default else "host"
-            elif torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            elif not flops and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
                 # a random number costs the same whatever its dtype: the work recorded is how many are drawn
+                # (attention is tagged too, for its dropout, but its work is its FLOPs)
                 kind, flops = "rng", max((t.numel() for t in outs), default=0)
             else:
                 kind = "lp" if low else "f32"
@@ -210,6 +212,7 @@ class LiveBytes(TorchDispatchMode):
         self.op_alloc.append(alloc)
         self.op_kind.append(kind)
         self.op_phase.append(self.phase)
+        self.op_name.append(getattr(getattr(func, "_overloadpacket", func), "__name__", str(func)))
 
 
 class ModuleScope:

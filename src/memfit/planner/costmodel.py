@@ -1,15 +1,21 @@
 """Step time from a traced step: a roofline per op, with measured (or catalogue) device rates.
 
-Every aten op of the traced step is one record (FLOPs, bytes read and written, its largest new allocation,
-kind, phase). An op takes max(its matmul time at that size, its bytes / memory bandwidth) plus a fixed
-dispatch overhead. Matmul time comes from a curve of single matmuls timed at several sizes, so the
-efficiency lost by small micro-batches is in the model; on a CPU bandwidth is a curve too (small ops run
-from cache, 3x faster than large ones), random-number ops (dropout) cost per number drawn (~6 ns each,
-whatever the dtype: a bf16 dropout is not half the price of an fp32 one), and
-a large fresh allocation pays its page faults (glibc returns every allocation over 32 MiB to the kernel
-when it is freed). On a CPU ops run back to back; on a GPU the host's dispatch overlaps the kernels, so
-the step takes the longer of the two. Offloaded work runs at the host's rates, and the bytes it moves cross
-the host link.
+Every aten op of the traced step is one record (name, FLOPs, bytes read and written, its largest new
+allocation, kind, phase). An op costs a fixed host overhead (dispatch, autograd; measured on a real
+training step) plus its device time, from a curve measured on this machine for its class of op:
+  matmuls, convolutions (forward, backward) and attention (forward, backward) by their FLOPs, on shapes
+  like a network's (a 3x3 convolution with 8 channels runs at a twentieth of a matmul's rate and costs
+  ~100 us whatever its size; the CPU's bf16 attention backward is 10x slower than fp32);
+  elementwise ops, and the costlier per-element ones (exp-like functions, norms, softmax, pooling), by
+  their bytes, per dtype (a bf16 multiply is no faster than an fp32 one per element, so it is slower
+  per byte) and from memory rather than cache (a step's tensors come from memory);
+  random numbers (dropout) per number drawn, whatever the dtype;
+  and a large fresh allocation its page faults (glibc returns every allocation over 32 MiB to the kernel
+  when it is freed).
+Ops the curves do not cover fall back to the matmul curve (FLOPs) and the copy bandwidth (bytes); a GPU
+from the catalogue has only those. On a CPU ops run back to back; on a GPU the host's dispatch overlaps
+the kernels, so the step takes the longer of the two. Offloaded work runs at the host's rates, and the
+bytes it moves cross the host link.
 """
 from __future__ import annotations
 
@@ -19,18 +25,50 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.memory.devices import Device
 from memfit.memory.tracker import LiveBytes
 
-PROFILE_VERSION = 3  # a cached profile of another version is measured again
+PROFILE_VERSION = 4  # a cached profile of another version is measured again
+# When a cached profile is measured again (`stale`): another profile version; another torch version, CPU
+# model or thread count; older than MAX_AGE_DAYS; or, if its figures looked wrong, older than an hour.
+MAX_AGE_DAYS = 30
+SUSPECT_AGE = 3600.0
+# A calibration taken on a busy machine once priced every op at 2.16 ms (a quiet one measures 5-10 us) and
+# was kept for good. Checks (`_problems`): per-op cost over MAX_OP_OVERHEAD; figures measured twice (start
+# and end) that differ by more than REPEAT_SPREAD; a larger size measured faster than a smaller one by more
+# than REPEAT_SPREAD; other processes using more than BUSY_CORES cores meanwhile. A suspect calibration is
+# measured once more, then kept for an hour with a warning.
+MAX_OP_OVERHEAD = 200e-6
+REPEAT_SPREAD = 1.5
+BUSY_CORES = 0.5
 # glibc's mmap threshold adapts up to 32 MiB; larger blocks are mapped fresh and unmapped on free, so every
 # step touches their pages anew (minor faults, the kernel zeroing each page)
 LARGE_ALLOC = 32 * 2**20
+
+# Classes of ops with their own curves (`Profile.curves`, keyed "<class>.<f32|lp>"). The first five are
+# priced by FLOPs, the last two by bytes; any other op is elementwise, or a matmul if it has FLOPs.
+CLASSES = ("mm", "conv", "conv_bwd", "attn", "attn_bwd", "elementwise", "special")
+FLOP_CLASSES = CLASSES[:5]
+_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+_SPECIAL = ("exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "sigmoid", "silu", "gelu", "erf", "erfinv",
+            "sin", "cos", "softplus", "elu", "mish", "_softmax", "_log_softmax", "logsumexp", "native_layer_norm",
+            "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+            "_native_batch_norm_legit_no_training", "native_group_norm", "_fused_rms_norm", "max_pool2d_with_indices",
+            "avg_pool2d", "_adaptive_avg_pool2d")
+_CLASS_OF = {"mm": "mm", "addmm": "mm", "bmm": "mm", "baddbmm": "mm", "addbmm": "mm",
+             "convolution": "conv", "convolution_backward": "conv_bwd",
+             **{n: "attn" for n in _ATTENTION}, **{n + "_backward": "attn_bwd" for n in _ATTENTION},
+             **{n: "special" for n in _SPECIAL}, **{n + "_backward": "special" for n in _SPECIAL},
+             "_softmax_backward_data": "special", "_log_softmax_backward_data": "special"}
 
 
 @dataclasses.dataclass
@@ -38,7 +76,7 @@ class Profile:
     device: str
     kind: str                  # "cpu" | "cuda"
     source: str                # how the figures were obtained
-    matmul: dict               # "f32" | "lp" -> [[flops, seconds], ...] for single matmuls, ascending
+    matmul: dict               # "f32" | "lp" -> [[flops, seconds], ...] for matmuls, ascending
     bandwidth: float           # bytes/s achieved by a large copy (read + write)
     op_overhead: float         # seconds of host time per op (dispatch, autograd bookkeeping)
     link_bandwidth: float      # host <-> device bytes/s (inf on a CPU: nothing crosses)
@@ -47,6 +85,10 @@ class Profile:
     rng_rate: float | None = None        # random numbers drawn per second (dropout); None: bytes at bandwidth
     fault_seconds: float = 0.0           # per byte of a fresh allocation over LARGE_ALLOC (a CPU's page faults)
     version: int = PROFILE_VERSION
+    curves: dict | None = None           # "<class>.<f32|lp>" -> [[FLOPs or bytes, seconds], ...] (CLASSES)
+    machine: dict | None = None          # what the figures hold for: torch version, CPU model, threads (`machine`)
+    measured_at: float | None = None     # seconds since the epoch
+    problems: list = dataclasses.field(default_factory=list)  # why the figures look wrong; empty if they do not
 
     def matmul_seconds(self, kind: str, flops: torch.Tensor) -> torch.Tensor:
         return _curve_seconds(self.matmul["lp" if kind == "lp" else "f32"], flops)
@@ -80,15 +122,25 @@ KINDS = {"f32": 0, "lp": 1, "view": 2, "rng": 3, "host": 4, "link": 5}  # device
 PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
+# Recorded on fake tensors only: a fake tensor's `.device` is an op (prim.device); a real one's is not. In a
+# traced step they outnumbered the real ops (7,656 to 4,111 in the sort demo at micro-batch 8 x 8).
+NOT_OPS = frozenset({"device"})
+
+
 class OpTable:
-    """An estimate's per-op records as tensors, built once: the planner prices them many times."""
+    """An estimate's per-op records as tensors, built once: the planner prices them many times. Rows stay
+    in step with the records (two probes' tables are compared row by row); `real` marks the ones that are
+    ops in a real step."""
 
     def __init__(self, ops: dict):
+        names = ops.get("name") or [""] * len(ops["kind"])
         self.flops = torch.tensor(ops["flops"], dtype=torch.float64)
         self.bytes = torch.tensor(ops["bytes"], dtype=torch.float64)
         self.alloc = torch.tensor(ops["alloc"], dtype=torch.float64)
         self.kind = torch.tensor([KINDS[k] for k in ops["kind"]], dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops["phase"]], dtype=torch.int8)
+        self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
+        self.real = torch.tensor([n not in NOT_OPS for n in names], dtype=torch.bool)
 
     def mask(self, phases: tuple[str, ...]) -> torch.Tensor:
         m = torch.zeros_like(self.phase, dtype=torch.bool)
@@ -97,14 +149,26 @@ class OpTable:
         return m
 
 
-def _device_seconds(profile: Profile, flops, nbytes, alloc, kind) -> torch.Tensor:
-    busy = profile.memory_seconds(nbytes)
+def _device_seconds(profile: Profile, flops, nbytes, alloc, kind, cls) -> torch.Tensor:
+    busy = profile.memory_seconds(nbytes)  # a floor for ops with FLOPs; the price of the rest without curves
     if profile.rng_rate:
         busy = torch.where(kind == KINDS["rng"], torch.maximum(busy, flops / profile.rng_rate), busy)
-    for name in ("f32", "lp"):  # only ops that do FLOPs consult the matmul curve (rng's FLOPs are draws)
-        sel = ((kind == KINDS[name]) & (flops > 0)).nonzero().flatten()
-        if len(sel):
-            busy[sel] = torch.maximum(busy[sel], profile.matmul_seconds(name, flops[sel]))
+    # rng's FLOPs are draws: only f32 / lp ops are priced by class
+    cls = torch.where((cls == CLASSES.index("elementwise")) & (flops > 0), CLASSES.index("mm"), cls)
+    curves = profile.curves or {}
+    for c, name in enumerate(CLASSES):
+        for tag in ("f32", "lp"):
+            sel = ((cls == c) & (kind == KINDS[tag])).nonzero().flatten()
+            if not len(sel):
+                continue
+            if name in FLOP_CLASSES:
+                sel = sel[flops[sel] > 0]
+                points = curves.get(f"{name}.{tag}") or profile.matmul[tag]
+                busy[sel] = torch.maximum(busy[sel], _curve_seconds(points, flops[sel]))
+            else:
+                points = curves.get(f"{name}.{tag}") or curves.get(f"elementwise.{tag}")
+                if points:
+                    busy[sel] = _curve_seconds(points, nbytes[sel])
     if profile.fault_seconds:
         busy = busy + torch.where(alloc > LARGE_ALLOC, alloc * profile.fault_seconds, 0.0)
     return torch.where(kind == KINDS["view"], torch.zeros_like(busy), busy)
@@ -118,15 +182,15 @@ def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flo
     flops = table.flops if flops is None else flops
     nbytes = table.bytes if nbytes is None else nbytes
     alloc = table.alloc if alloc is None else alloc
-    sel = table.mask(phases)
+    sel = table.mask(phases) & table.real
     dev = sel & (table.kind <= KINDS["rng"])
     host = sel & (table.kind == KINDS["host"])
-    busy = float(_device_seconds(profile, flops[dev], nbytes[dev], alloc[dev], table.kind[dev]).sum())
+    busy = float(_device_seconds(profile, flops[dev], nbytes[dev], alloc[dev], table.kind[dev], table.cls[dev]).sum())
     dispatch = int(dev.sum()) * profile.op_overhead
     device = max(busy, dispatch) if profile.kind == "cuda" else busy + dispatch
     hp = Profile(**profile.host) if profile.host else profile
     f32 = torch.zeros(int(host.sum()), dtype=torch.int8)
-    host_s = float(_device_seconds(hp, flops[host], nbytes[host], alloc[host], f32).sum())
+    host_s = float(_device_seconds(hp, flops[host], nbytes[host], alloc[host], f32, table.cls[host]).sum())
     return device + host_s + int(host.sum()) * hp.op_overhead
 
 
@@ -145,7 +209,7 @@ def step_seconds(profile: Profile, estimate, micro_steps: float = 1.0) -> float:
 
 def _time(fn, min_seconds: float = 0.02, rounds: int = 5, sync=lambda: None) -> float:
     """Seconds per call: the best of `rounds` rounds, so that a busy moment on a shared machine does not
-    end up in the profile (a calibration taken under load once made every CPU prediction 3x too slow)."""
+    end up in the profile."""
     fn()
     sync()
     best = math.inf
@@ -162,52 +226,156 @@ def _time(fn, min_seconds: float = 0.02, rounds: int = 5, sync=lambda: None) -> 
     return best
 
 
-def calibrate(device: str = "cpu") -> Profile:
-    """Measure this machine's device: matmul time at several sizes in fp32 and bf16 (on many CPUs bf16 is
-    slower), copy bandwidth by size, dropout's rate, page faults, per-op overhead and (GPU) the pinned
-    host link. A few seconds."""
-    dev = torch.device(device)
+def calibrate(device: str = "cpu", attempts: int = 2) -> Profile:
+    """Measure this machine's device (about 20 s on a CPU). A calibration whose figures look wrong (see
+    `_problems`) is measured again, up to `attempts` times; the last one is returned with its problems."""
+    for _ in range(attempts):
+        profile = _calibrate_once(torch.device(device))
+        if not profile.problems:
+            break
+    return profile
+
+
+def _calibrate_once(dev: torch.device) -> Profile:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    sizes = [32, 64, 128, 256, 512, 1024] + ([2048, 4096] if dev.type == "cuda" else [])
-    curves = {}
-    for kind, dtype in (("f32", torch.float32), ("lp", torch.bfloat16)):
-        pts = []
-        for n in sizes:
-            a = torch.randn(n, n, device=dev, dtype=dtype)
-            b = torch.randn(n, n, device=dev, dtype=dtype)
-            pts.append([2.0 * n ** 3, _time(lambda: a @ b, sync=sync)])
-        curves[kind] = pts
-    cache = []
-    for mib in (0.25, 1, 4, 16, 64, 256):  # from inside L2 to far beyond any cache
-        x = torch.ones(int(mib * 2**18), device=dev)
-        y = torch.empty_like(x)
-        moved = 2 * x.numel() * 4  # read + written, as the tracker counts an op's bytes
-        cache.append([moved, moved / _time(lambda: y.copy_(x), sync=sync)])
-    del x, y
-    bandwidth = cache[-1][1]
-    x = torch.ones(4 * 2**20, device=dev)  # CPU dropout draws its mask with bernoulli_, per element
-    rng = x.numel() / _time(lambda: x.bernoulli_(0.9), sync=sync)
-    faults = 0.0
-    if dev.type == "cpu":  # a fresh 64 MiB block against the same block reused
-        n = 16 * 2**20
-        big = torch.empty(n)
-        reused = _time(lambda: big.fill_(1.0))
-        fresh = _time(lambda: torch.empty(n).fill_(1.0))
-        faults = max(0.0, fresh - reused) / (n * 4)
-    link = math.inf
-    host = None
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        pinned = torch.empty(64 * 2**20, pin_memory=True)
-        on_dev = torch.empty(64 * 2**20, device=dev)
-        link = pinned.numel() * 4 / _time(lambda: on_dev.copy_(pinned, non_blocking=True), sync=sync)
-        host = calibrate("cpu").to_dict()
-    else:
-        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    stamp = datetime.date.today().isoformat()
-    return Profile(device=name, kind=dev.type, source=f"calibrated on this machine, {stamp}", matmul=curves,
-                   bandwidth=bandwidth, op_overhead=_op_overhead(dev, sync), link_bandwidth=link, host=host,
-                   cache_bandwidth=cache, rng_rate=rng, fault_seconds=faults)
+    cpu = dev.type == "cpu"
+    with _OtherProcesses() as others:
+        overheads = [_op_overhead(dev, sync)]
+        one = torch.ones(1, device=dev)
+        dispatch = _time(lambda: one.neg(), sync=sync)  # what calling any op costs the host: in op_overhead
+        sizes = (16, 32, 64, 128, 256, 512) + (() if cpu else (1024, 2048, 4096))
+        matmul = {tag: _matmul_curve(dev, dtype, sizes, dispatch, sync) for tag, dtype in _DTYPES}
+        curves = {}
+        if cpu:  # a GPU's kernels are priced by the matmul curve and bandwidth alone (not measured here)
+            for tag, dtype in _DTYPES:
+                curves.update(_conv_curves(dev, dtype, tag, dispatch, sync))
+                curves.update(_attention_curves(dev, dtype, tag, dispatch, sync))
+                curves[f"elementwise.{tag}"] = _elementwise_curve(dev, dtype, _binary, dispatch, sync)
+                curves[f"special.{tag}"] = _elementwise_curve(dev, dtype, _special, dispatch, sync)
+        cache = []
+        for mib in (0.25, 1, 4, 16, 64, 256):  # from inside L2 to far beyond any cache
+            x = torch.ones(int(mib * 2**18), device=dev)
+            y = torch.empty_like(x)
+            moved = 2 * x.numel() * 4  # read + written, as the tracker counts an op's bytes
+            cache.append([moved, moved / _time(lambda: y.copy_(x), sync=sync)])
+        del x, y
+        bandwidth = cache[-1][1]
+        x = torch.ones(4 * 2**20, device=dev)  # CPU dropout draws its mask with bernoulli_, per element
+        rng = x.numel() / _time(lambda: x.bernoulli_(0.9), sync=sync)
+        faults = 0.0
+        if cpu:  # a fresh 64 MiB block against the same block reused
+            n = 16 * 2**20
+            big = torch.empty(n)
+            reused = _time(lambda: big.fill_(1.0))
+            fresh = _time(lambda: torch.empty(n).fill_(1.0))
+            faults = max(0.0, fresh - reused) / (n * 4)
+            del big
+        link = math.inf
+        host = None
+        if not cpu:
+            pinned = torch.empty(64 * 2**20, pin_memory=True)
+            on_dev = torch.empty(64 * 2**20, device=dev)
+            link = pinned.numel() * 4 / _time(lambda: on_dev.copy_(pinned, non_blocking=True), sync=sync)
+            host = calibrate("cpu").to_dict()
+        overheads.append(_op_overhead(dev, sync))
+        last = _matmul_curve(dev, torch.float32, sizes[-1:], dispatch, sync)[0]  # the first figure, again
+    name = (torch.cuda.get_device_name(dev) if not cpu else
+            f"cpu ({_cpu_model()}, {torch.get_num_threads()} threads)")
+    profile = Profile(device=name, kind=dev.type, source="calibrated on this machine", matmul=matmul,
+                      bandwidth=bandwidth, op_overhead=min(overheads), link_bandwidth=link, host=host,
+                      cache_bandwidth=None if cpu else cache, rng_rate=rng, fault_seconds=faults, curves=curves,
+                      machine=machine(dev.type), measured_at=time.time())
+    profile.problems = _problems(profile, {"per-op cost": overheads, "largest matmul": [matmul["f32"][-1][1], last[1]]},
+                                 others.cores)
+    return profile
+
+
+_DTYPES = (("f32", torch.float32), ("lp", torch.bfloat16))
+
+
+def _kernel(seconds: float, dispatch: float) -> float:
+    """A timed call less the host's cost of any call (priced per op by op_overhead), never below a ns."""
+    return max(seconds - dispatch, 1e-9)
+
+
+def _matmul_curve(dev, dtype, sizes, dispatch, sync) -> list:
+    """A linear layer's three matmuls (forward, input gradient, weight gradient) on 8*d tokens of width d:
+    a network's shapes rather than square ones."""
+    pts = []
+    for d in sizes:
+        x, w, g = (torch.randn(*s, device=dev, dtype=dtype) for s in ((8 * d, d), (d, d), (8 * d, d)))
+        t = sum(_kernel(_time(fn, sync=sync), dispatch) for fn in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x))
+        pts.append([3 * 2.0 * 8 * d ** 3, t])
+    return pts
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:  # the formulas the tracker uses
+        fn()
+    return counter.get_total_flops()
+
+
+def _forward_backward(dev, fn, inputs, dispatch, sync) -> tuple[list, list]:
+    """[FLOPs, seconds] of fn(*inputs)'s forward op and of its backward op (timed together, less the forward)."""
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    forward = _kernel(_time(lambda: fn(*inputs), sync=sync), dispatch)
+    both = _time(lambda: torch.autograd.grad(fn(*inputs), inputs, grad), sync=sync)
+    flops_f = _flops(lambda: fn(*inputs))
+    flops_b = _flops(lambda: torch.autograd.grad(fn(*inputs), inputs, grad)) - flops_f
+    return [flops_f, forward], [flops_b, _kernel(both - forward, 2 * dispatch)]
+
+
+def _conv_curves(dev, dtype, tag, dispatch, sync) -> dict:
+    """3x3 convolutions whose channels grow with their size, as a network's do (8 channels on a 4x4 map up
+    to 128 on 16x16, batch 8): small convolutions run far below a matmul's rate."""
+    fwd, bwd = [], []
+    for channels, side in ((8, 4), (16, 8), (32, 16), (64, 16), (128, 16)):
+        x = torch.randn(8, channels, side, side, device=dev, dtype=dtype, requires_grad=True)
+        w = torch.randn(channels, channels, 3, 3, device=dev, dtype=dtype, requires_grad=True)
+        f, b = _forward_backward(dev, lambda x, w: F.conv2d(x, w, padding=1), (x, w), dispatch, sync)
+        fwd.append(f)
+        bwd.append(b)
+    return {f"conv.{tag}": fwd, f"conv_bwd.{tag}": bwd}
+
+
+def _attention_curves(dev, dtype, tag, dispatch, sync) -> dict:
+    """Causal attention, 32 heads x batch of width 32, over sequences of 16 to 512."""
+    fwd, bwd = [], []
+    for seq in (16, 32, 64, 128, 256, 512):
+        q, k, v = (torch.randn(4, 8, seq, 32, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        f, b = _forward_backward(dev, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                 (q, k, v), dispatch, sync)
+        fwd.append(f)
+        bwd.append(b)
+    return {f"attn.{tag}": fwd, f"attn_bwd.{tag}": bwd}
+
+
+def _binary(x, y, out):
+    torch.mul(x, y, out=out)
+    return 3  # tensors of x's size read or written
+
+
+def _special(x, y, out):
+    F.silu(x)
+    torch.log_softmax(x, -1)
+    F.layer_norm(x, x.shape[-1:])
+    return 6
+
+
+def _elementwise_curve(dev, dtype, fn, dispatch, sync) -> list:
+    """[bytes moved, seconds] of `fn` on tensors of 16 KiB to 16 MiB (fp32: fresh outputs stay under LARGE_ALLOC), each call on tensors not
+    touched since at least 96 MiB of others: a step's tensors come from memory, not from cache."""
+    pts = []
+    for numel in (4096, 65536, 2**20, 2**22):
+        sets = [tuple(torch.randn(numel // 256, 256, device=dev, dtype=dtype) for _ in range(3))
+                for _ in range(max(1, 96 * 2**20 // (3 * numel * dtype.itemsize)))]
+        turn = iter(range(1 << 62))
+        tensors = fn(*sets[0])
+        seconds = _time(lambda: fn(*sets[next(turn) % len(sets)]), sync=sync)
+        pts.append([tensors * numel * dtype.itemsize, _kernel(seconds, dispatch * (tensors // 3))])
+        del sets
+    return pts
 
 
 def _op_overhead(dev: torch.device, sync) -> float:
@@ -230,6 +398,54 @@ def _op_overhead(dev: torch.device, sync) -> float:
     return _time(step, sync=sync) / len(counter.op_kind)
 
 
+class _OtherProcesses:
+    """Cores used by other processes over a window (Linux): all busy CPU time less this process's."""
+
+    cores: float | None = None
+
+    def __enter__(self):
+        self.start = (time.perf_counter(), _busy_seconds(), _own_seconds())
+        return self
+
+    def __exit__(self, *exc):
+        (wall, busy, own), (wall0, busy0, own0) = (time.perf_counter(), _busy_seconds(), _own_seconds()), self.start
+        if busy is not None and busy0 is not None:
+            self.cores = max(0.0, (busy - busy0) - (own - own0)) / max(wall - wall0, 1e-3)
+        return False
+
+
+def _busy_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = ([int(v) for v in f.readline().split()[1:9]]
+                                                                     + [0] * 8)[:8]
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _problems(profile: Profile, repeats: dict, other_cores: float | None) -> list[str]:
+    """What makes a calibration suspect (the checks are listed at the top of this file)."""
+    out = []
+    if profile.op_overhead > MAX_OP_OVERHEAD:
+        out.append(f"{profile.op_overhead * 1e6:.0f} us per op (a CPU takes 5-20)")
+    for what, (first, second) in repeats.items():
+        if max(first, second) > REPEAT_SPREAD * min(first, second):
+            out.append(f"the {what} measured {first * 1e6:.1f} us, then {second * 1e6:.1f} us")
+    named = {f"matmul.{k}": v for k, v in profile.matmul.items()} | (profile.curves or {})
+    for key, pts in named.items():
+        if any(later * REPEAT_SPREAD < earlier for (_, earlier), (_, later) in zip(pts, pts[1:])):
+            out.append(f"{key}: a larger size ran faster than a smaller one")
+    if other_cores is not None and other_cores > BUSY_CORES:
+        out.append(f"other processes used {other_cores:.1f} cores meanwhile")
+    return out
+
+
 # A GPU server's host, for offloaded work when the GPU is only a catalogue entry (this machine's CPU is
 # not the one that will drive it): ~100 GB/s of memory bandwidth reached by streaming ops, ~1 TFLOP/s.
 SERVER_HOST = Profile(device="GPU server host (assumed)", kind="cpu", source="assumed figures",
@@ -248,6 +464,61 @@ def catalogue_profile(dev: Device, host: Profile | None = None) -> Profile:
     return Profile(device=dev.name, kind="cuda", source="catalogue figures, not calibrated", matmul=curves,
                    bandwidth=0.8 * (dev.memory_bandwidth or 1e12), op_overhead=10e-6,
                    link_bandwidth=dev.host_bandwidth or 12e9, host=(host or SERVER_HOST).to_dict())
+
+
+def describe(profile: Profile) -> str:
+    """One line for a plan: where the figures come from, when, and the ones that matter most."""
+    best = {k: max(f / t for f, t in pts) for k, pts in profile.matmul.items()}
+    when = ""
+    if profile.measured_at:
+        m = profile.machine or {}
+        when = (f" {datetime.datetime.fromtimestamp(profile.measured_at):%Y-%m-%d %H:%M} ({m.get('cpu')}, "
+                f"{m.get('threads')} threads, torch {m.get('torch')})")
+    text = (f"{profile.source}{when}: {profile.op_overhead * 1e6:.1f} us per op, matmul up to "
+            f"{best['f32'] / 1e9:.0f} GFLOP/s fp32 / {best['lp'] / 1e9:.0f} bf16, copy {profile.bandwidth / 1e9:.0f} GB/s")
+    if profile.problems:
+        text += f"; SUSPECT ({'; '.join(profile.problems)}): rerun `memfit calibrate` on a quiet machine"
+    return text
+
+
+def machine(kind: str) -> dict:
+    """What a calibration holds for: the same torch, processor and thread count."""
+    out = {"torch": torch.__version__, "cpu": _cpu_model(), "threads": torch.get_num_threads()}
+    if kind == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def stale(profile: Profile, now: float | None = None) -> str | None:
+    """Why a cached profile must be measured again (the rule is at the top of this file), or None."""
+    if profile.version != PROFILE_VERSION:
+        return "measured by another memfit version"
+    for key, value in machine(profile.kind).items():
+        old = (profile.machine or {}).get(key)
+        if old != value:
+            return f"{key} changed from {old} to {value}"
+    age = (time.time() if now is None else now) - (profile.measured_at or 0)
+    if age > MAX_AGE_DAYS * 86400:
+        return f"measured {age / 86400:.0f} days ago"
+    if profile.problems and age > SUSPECT_AGE:
+        return f"its figures looked wrong ({profile.problems[0]})"
+    return None
+
+
+def cpu_key() -> str:
+    """Profiles are cached per thread count: test runs under OMP_NUM_THREADS 1, 2, 4 keep their own."""
+    return f"cpu-{torch.get_num_threads()}threads"
 
 
 def _cache_dir() -> Path:
@@ -283,10 +554,17 @@ def profile_for(dev: Device) -> Profile:
     """The CPU and a present GPU are measured (once, then cached); a catalogue GPU uses its data sheet and
     an assumed server host."""
     if dev.kind == "cpu" or dev.name.startswith("cuda"):
-        key = "cpu" if dev.kind == "cpu" else dev.name
+        key = cpu_key() if dev.kind == "cpu" else dev.name
         profile = load_profile(key)
-        if profile is None:
+        why = "no calibration yet" if profile is None else stale(profile)
+        if why:
+            kind = "CPU" if dev.kind == "cpu" else "GPU"
+            print(f"memfit: calibrating this {kind} for step times ({why}; ~20 s), cached at {profile_path(key)}",
+                  file=sys.stderr, flush=True)
             profile = calibrate("cpu" if dev.kind == "cpu" else "cuda")
-            save_profile(profile, key)
+            save_profile(profile, key)  # a suspect one too: measured again in an hour, not at every plan
+            if profile.problems:
+                print(f"memfit: warning: the calibration looks wrong ({'; '.join(profile.problems)}); step times "
+                      f"may be off; rerun `memfit calibrate` on a quiet machine", file=sys.stderr, flush=True)
         return profile
     return catalogue_profile(dev)

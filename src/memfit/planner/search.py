@@ -1,7 +1,7 @@
 """`plan`: the fastest configuration that fits a memory budget, from a handful of traced probes.
 
 For each family (precision x checkpointing x offload) memfit traces two small micro-batches after one
-primed optimizer state. Memory per phase and every op's FLOPs and bytes are linear in the micro-batch,
+primed optimizer state (1 and 2, or 2 and 4 for a model that cannot train at 1). Memory per phase and every op's FLOPs and bytes are linear in the micro-batch,
 so the two probes predict any micro-batch; checkpointing every k-th block is interpolated between "none"
 and "all" by the share of blocks it covers. Candidates are ranked by predicted step time and the best are
 confirmed by a full estimate before one is chosen.
@@ -15,14 +15,13 @@ import math
 
 from memfit.config import Config, ConfigError
 from memfit.memory.devices import Device, get_device
-from memfit.memory.estimate import (Estimate, EstimateError, _run_isolated, _traces, estimate, run_isolated_many,
-                                    state_bytes)
-from memfit.planner.costmodel import OpTable, Profile, phase_seconds, profile_for, step_seconds
+from memfit.memory.estimate import (Estimate, EstimateError, MicroBatchError, _run_isolated, estimate, first_line,
+                                    probe_traces, run_isolated_many, state_bytes)
+from memfit.planner.costmodel import OpTable, Profile, describe, phase_seconds, profile_for, step_seconds
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload, WorkloadError
 
 MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
-PROBES = (1, 2)
 
 
 class PlanError(Exception):
@@ -83,11 +82,16 @@ def _used(est: Estimate) -> int:
 class _Family:
     """Two probes of one family, and what they predict at any micro-batch."""
     base: Config
-    probes: list  # [Estimate at PROBES[0], Estimate at PROBES[1]]
+    probes: list  # [Estimate, Estimate] at the two smallest micro-batches the model trains at
+    rejected: str | None = None  # why micro-batch 1 failed, when the probes had to start at 2
     _tables: tuple | None = None
 
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return tuple(e.config["micro_batch"] for e in self.probes)
+
     def _line(self, a: float, b: float, m: int) -> float:
-        m1, m2 = PROBES
+        m1, m2 = self.sizes
         return a + (b - a) * (m - m1) / (m2 - m1)
 
     def memory(self, m: int, accum: int, cpu: bool) -> int:
@@ -98,7 +102,7 @@ class _Family:
             phases["forward"] += e2.model_state_bytes["gradients"] or e2.breakdown["gradients"]
         live = max(phases.values())
         if cpu:  # on a CPU the whole global batch is device memory, not just one micro-batch
-            per_sample = (e2.breakdown["inputs"] - e1.breakdown["inputs"]) / (PROBES[1] - PROBES[0])
+            per_sample = (e2.breakdown["inputs"] - e1.breakdown["inputs"]) / (self.sizes[1] - self.sizes[0])
             live += per_sample * m * (accum - 1)
             return int(live)
         ratio = e2.peak_reserved_bytes / max(e2.peak_bytes, 1)  # allocator rounding and caching
@@ -130,12 +134,22 @@ def _family_name(cfg: Config) -> str:
     return ", ".join(parts)
 
 
-def _micro_batches(global_batch: int, fixed: int | None) -> list[int]:
+def check_batches(global_batch: int, micro_batch: int | None) -> None:
+    """A request the search can honour: whole numbers >= 1, a fixed micro-batch that divides the global batch
+    (accumulation runs whole micro-batches: 10 = 4 x 2 would train on 8)."""
+    for name, value in (("global batch", global_batch), ("micro-batch", micro_batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+    if micro_batch is not None and global_batch % micro_batch:
+        raise ConfigError(f"micro-batch {micro_batch} does not divide the global batch {global_batch}")
+
+
+def _micro_batches(global_batch: int, fixed: int | None, smallest: int = 1) -> list[int]:
+    """The micro-batches to price: the fixed one, else every divisor of the global batch the model trains at."""
     if fixed is not None:
-        if fixed > global_batch:
-            raise ConfigError(f"micro_batch {fixed} is larger than the global batch {global_batch}")
-        return [fixed]
-    return [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+        return [fixed] if fixed >= smallest else []
+    small = [d for d in range(1, math.isqrt(global_batch) + 1) if global_batch % d == 0]
+    return [m for m in sorted({*small, *(global_batch // d for d in small)}) if m >= smallest]
 
 
 def plan(workload: Workload, global_batch: int, budget=None, device: str | Device = "cpu", *,
@@ -145,12 +159,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device). Fixed choices are honoured; the rest is searched."""
     dev = device if isinstance(device, Device) else get_device(device)
-    if global_batch < 1:
-        raise ValueError(f"global batch must be >= 1, got {global_batch}")
+    check_batches(global_batch, micro_batch)
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
     cpu = dev.kind == "cpu"
-    profile = profile or profile_for(dev)
+    # measured (a first calibration takes a while) only once something fits: "nothing fits" comes at once
+    rates = functools.cache(lambda: profile or profile_for(dev))
     notes = [f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces"]
 
     precisions = [precision] if precision else (["fp32", "bf16"] if cpu else ["bf16" if dev.bf16 else "fp16"])
@@ -168,7 +182,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             opts = [False]
             notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
-    bases = [Config(micro_batch=max(PROBES), precision=p, checkpoint=ck, offload_activations=act,
+    bases = [Config(micro_batch=1, precision=p, checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt)
              for p in precisions for ck in checkpoints for act, opt in offloads
              # offloading what checkpointing already dropped is traced only when asked for
@@ -189,50 +203,73 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             smallest_need[_family_name(b)] = floor
             verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
                                               f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
-    traced = run_isolated_many([functools.partial(_traces, workload, b, dev, True, list(PROBES)) for b in bases])
+    traced = run_isolated_many([functools.partial(probe_traces, workload, b, dev) for b in bases])
+    failed = []
     for base, (kind, value) in zip(bases, traced):
         if kind == "ok":
-            families[base] = _Family(base, value)
+            families[base] = _Family(base, *value)
         elif isinstance(value, ConfigError):
             verdicts.append((_family_name(base), f"cannot apply: {value}"))
-        elif isinstance(value, (WorkloadError, EstimateError)):
-            raise value
-        else:  # the workload's own code (or an op fake tensors lack) failed: say where
-            raise WorkloadError(f"tracing {_family_name(base)} at micro-batch {PROBES[0]} raised: "
-                                f"{type(value).__name__}: {value}") from value
+        else:  # the workload's own code, an op fake tensors lack, a crash: plan with the other families
+            failed.append((base, value))
+            verdicts.append((_family_name(base), f"skipped: tracing it raised {first_line(value)}"))
+    if failed and not families:  # every family failed: that is the answer
+        base, error = failed[0]
+        if isinstance(error, (WorkloadError, EstimateError)):
+            raise error
+        raise WorkloadError(f"tracing {_family_name(base)} at micro-batch 1 raised: {first_line(error)}") from error
+    rejected = next((f for f in families.values() if f.rejected), None)
+    if rejected:
+        notes.append(f"{workload.name} cannot train at micro-batch 1 ({rejected.rejected}): probed at "
+                     f"{rejected.sizes[0]} and {rejected.sizes[1]}; micro-batch 1 is not offered")
 
     candidates: list[Candidate] = []
-    for base, fam in families.items():
+    too_small: list[_Family] = []  # families with no micro-batch they train at
+    for base, fam in list(families.items()):
         name = _family_name(base)
-        for m in _micro_batches(global_batch, micro_batch):
+        sizes = _micro_batches(global_batch, micro_batch, fam.sizes[0])
+        if not sizes:
+            too_small.append(families.pop(base))
+            verdicts.append((name, f"cannot train at micro-batch {micro_batch or global_batch} ({fam.rejected})"))
+            continue
+        for m in sizes:
             accum = global_batch // m
             need = fam.memory(m, accum, cpu)
             smallest_need[name] = min(smallest_need.get(name, need), need)
             if need <= usable:
                 cfg = fam.base.replace(micro_batch=m, grad_accum=accum)
-                candidates.append(Candidate(cfg, need, fam.seconds(profile, m, accum)))
+                candidates.append(Candidate(cfg, need, fam.seconds(rates(), m, accum)))
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
         none = families.get(base.replace(checkpoint="none"))
         if base.checkpoint == "all" and none is not None and checkpoint is None:
-            candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, profile)
+            candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, rates)
+    if too_small and not families:
+        fam = too_small[0]
+        raise MicroBatchError(workload.name, micro_batch or global_batch, fam.sizes[0], fam.rejected)
 
     candidates.sort(key=lambda c: c.step_seconds)
     confirmed: list[Candidate] = []
+    raised: list[Exception] = []
     queue = list(candidates)
     while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
         batch, queue = queue[:confirm], queue[confirm:]
         results = run_isolated_many([functools.partial(_confirm, workload, c.config, dev) for c in batch])
         for cand, (kind, est) in zip(batch, results):
-            if kind != "ok":
-                raise est
+            label = _family_name(cand.config) + f", micro-batch {cand.config.micro_batch}"
+            if kind != "ok":  # not offered; the next candidate is confirmed instead
+                raised.append(est)
+                candidates.remove(cand)
+                verdicts.append((label, f"skipped: its full estimate raised {first_line(est)}"))
+                continue
             cand.peak_bytes, cand.confirmed, cand.estimate = _used(est), True, est
-            cand.step_seconds = step_seconds(profile, est, cand.config.grad_accum / min(cand.config.grad_accum, 2))
+            cand.step_seconds = step_seconds(rates(), est, cand.config.grad_accum / min(cand.config.grad_accum, 2))
             if cand.peak_bytes <= usable:
                 confirmed.append(cand)
             else:
-                verdicts.append((_family_name(cand.config) + f", micro-batch {cand.config.micro_batch}",
-                                 f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
+                verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
         confirmed.sort(key=lambda c: c.step_seconds)
+    if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
+        raise raised[0]
     if not confirmed:
         if not smallest_need:
             hint = "no family could be traced"
@@ -242,18 +279,18 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             hint = (f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
                     f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
         raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
-                        f"{global_batch}: {hint}; a shorter sequence or a larger world size would also help")
+                        f"{global_batch}: {hint}")
     best = confirmed[0]
     for base in families:
         name = _family_name(base)
         mine = [c for c in candidates if _family_name(c.config) == name]
         if name == _family_name(best.config):
             verdicts.insert(0, (name, f"chosen at micro-batch {best.config.micro_batch}"))
-        elif not mine:
+        elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
             over = smallest_need[name] - usable
             verdicts.append((name, f"does not fit: over by {fmt_bytes(over)} even at micro-batch "
-                                   f"{min(_micro_batches(global_batch, micro_batch))}"))
-        else:
+                                   f"{min(_micro_batches(global_batch, micro_batch, families[base].sizes[0]))}"))
+        elif mine:
             fastest = min(mine, key=lambda c: c.step_seconds)
             verdicts.append((name, f"fits, {fastest.step_seconds / best.step_seconds:.2f}x slower "
                                    f"(best at micro-batch {fastest.config.micro_batch})"))
@@ -263,7 +300,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     return Plan(config=best.config, device=dev.name, budget_bytes=budget_bytes, usable_bytes=usable,
                 peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
                 samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
-                alternatives=alternatives, families=verdicts, profile_source=profile.source, notes=notes)
+                alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes)
 
 
 def _state_floors(workload: Workload, states: list[tuple[str, bool]], dev: Device) -> list[int]:
@@ -286,7 +323,7 @@ def _confirm(workload: Workload, config: Config, dev: Device) -> Estimate:
     return est
 
 
-def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, profile):
+def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, rates):
     n = len(full.probes[0].blocks)
     out, shares = [], set()
     for k in (2, 3, 4):
@@ -294,32 +331,36 @@ def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cp
         if k >= n or share in shares:
             continue
         shares.add(share)
-        for m in _micro_batches(global_batch, micro_batch):
+        for m in _micro_batches(global_batch, micro_batch, max(none.sizes[0], full.sizes[0])):
             accum = global_batch // m
             need = int(none.memory(m, accum, cpu) + share * (full.memory(m, accum, cpu) - none.memory(m, accum, cpu)))
             if need <= usable:
-                t = none.seconds(profile, m, accum)
-                t += share * (full.seconds(profile, m, accum) - t)
+                t = none.seconds(rates(), m, accum)
+                t += share * (full.seconds(rates(), m, accum) - t)
                 out.append(Candidate(full.base.replace(checkpoint=k, micro_batch=m, grad_accum=accum), need, t))
     return out
 
 
 def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu", *, precision: str | None = None,
                     micro_batch: int | None = None, checkpoint=None, offload_activations: bool | None = None,
-                    offload_optimizer: bool | None = None, limit: int = 1 << 16) -> dict:
+                    offload_optimizer: bool | None = None) -> dict:
     """The largest micro-batch that fits with everything else fixed: the straight line through two probes
-    proposes it, full estimates confirm it and its successor."""
+    proposes it, full estimates confirm it and its successor. No upper bound: memory grows with every
+    sample (the inputs at least), so the search ends."""
     dev = device if isinstance(device, Device) else get_device(device)
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
-    base = Config(micro_batch=max(PROBES), precision=precision or ("fp32" if dev.kind == "cpu" else "bf16"),
+    base = Config(micro_batch=1, precision=precision or ("fp32" if dev.kind == "cpu" else "bf16"),
                   checkpoint=checkpoint or "none", offload_activations=bool(offload_activations),
                   offload_optimizer=bool(offload_optimizer))
-    fam = _Family(base, _run_isolated(lambda: _traces(workload, base, dev, True, list(PROBES))))
+    fam = _Family(base, *_run_isolated(lambda: probe_traces(workload, base, dev)))
     cpu = dev.kind == "cpu"
-    slope = fam.memory(2, 1, cpu) - fam.memory(1, 1, cpu)
-    guess = int((usable - fam.memory(1, 1, cpu)) / slope) + 1 if slope > 0 else limit
-    guess = max(1, min(limit, guess))
+    smallest = fam.sizes[0]
+    slope = fam.memory(smallest + 1, 1, cpu) - fam.memory(smallest, 1, cpu)
+    if slope <= 0:
+        raise PlanError(f"{workload.name}'s memory does not grow with the micro-batch (does workload.batch(n) "
+                        f"return n samples?): there is no largest micro-batch")
+    guess = max(smallest, int((usable - fam.memory(smallest, 1, cpu)) / slope) + smallest)
 
     def fits(m: int) -> tuple[bool, int]:
         used = _used(estimate(workload, base.replace(micro_batch=m), device=dev))
@@ -329,22 +370,21 @@ def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu
     if ok:  # gallop up until the first that does not fit
         lo, lo_used, hi = guess, used, None
         step = 1
-        while hi is None and lo < limit:
-            nxt = min(limit, lo + step)
-            ok, u = fits(nxt)
+        while hi is None:
+            ok, u = fits(lo + step)
             if ok:
-                lo, lo_used, step = nxt, u, step * 2
+                lo, lo_used, step = lo + step, u, step * 2
             else:
-                hi = nxt
-        hi = hi or limit + 1
+                hi = lo + step
     else:
-        lo, lo_used, hi = 0, None, guess
+        lo, lo_used, hi = smallest - 1, None, guess
     while hi - lo > 1:  # bisect between the last that fits and the first that does not
         mid = (lo + hi) // 2
         ok, u = fits(mid)
         lo, lo_used, hi = (mid, u, hi) if ok else (lo, lo_used, mid)
-    if lo == 0:
-        raise PlanError(f"even micro-batch 1 does not fit in {fmt_bytes(budget_bytes)} on {dev.name} "
-                        f"with {_family_name(base)}: it needs {fmt_bytes(fits(1)[1])}")
+    if lo < smallest:
+        raise PlanError(f"even micro-batch {smallest} does not fit in {fmt_bytes(budget_bytes)} on {dev.name} "
+                        f"with {_family_name(base)}: it needs {fmt_bytes(fits(smallest)[1])}")
+    notes = [f"{workload.name} cannot train at micro-batch 1 ({fam.rejected})"] if fam.rejected else []
     return dict(config=base.replace(micro_batch=lo).to_dict(), micro_batch=lo, peak_bytes=lo_used,
-                budget_bytes=budget_bytes, usable_bytes=usable, device=dev.name, linear_guess=guess)
+                budget_bytes=budget_bytes, usable_bytes=usable, device=dev.name, linear_guess=guess, notes=notes)

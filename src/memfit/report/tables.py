@@ -80,7 +80,7 @@ def estimate_view(est: Estimate) -> Group:
     return Group(*parts)
 
 
-def summary_view(title: str, rows) -> Table:
+def summary_view(title: str, rows, note: str | None = None) -> Table:
     table = Table(title=f"memfit summary — {title}", title_justify="left")
     table.add_column("module (type)", no_wrap=True)
     for col in ("output shape", "params", "saved for backward", "forward FLOPs"):
@@ -90,7 +90,8 @@ def summary_view(title: str, rows) -> Table:
                       fmt_bytes(r.saved_bytes) if r.saved_bytes else "-", _fmt_flops(r.flops))
     total_params = sum(r.parameters for r in rows)
     table.caption = (f"{total_params:,} parameters · saved activations {fmt_bytes(sum(r.saved_bytes for r in rows))}"
-                     f" · {_fmt_flops(rows[0].flops if rows else 0)} forward per micro-batch")
+                     f" · {_fmt_flops(rows[0].flops if rows else 0)} forward per micro-batch"
+                     + (f"\nnote: {note}" if note else ""))
     return table
 
 
@@ -145,7 +146,8 @@ def max_batch_view(r: dict) -> Text:
     return Text.assemble(("memfit plan --max-micro-batch", "bold"), f"  {_config_line(r['config'])} · {r['device']}\n",
                          ("largest micro-batch that fits: ", "bold"), (str(r["micro_batch"]), "bold cyan"),
                          f" (peak {fmt_bytes(r['peak_bytes'])} of usable {fmt_bytes(r['usable_bytes'])}; "
-                         f"budget {fmt_bytes(r['budget_bytes'])})")
+                         f"budget {fmt_bytes(r['budget_bytes'])})",
+                         *(("\nnote: " + n, "dim") for n in r.get("notes", [])))
 
 
 def run_view(result) -> Group:
