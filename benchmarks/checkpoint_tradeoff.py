@@ -63,7 +63,7 @@ def label(mode) -> str:
 # ------------------------------------------------------------------------------------------- measuring
 
 def measure_memory(wl, mode, mb: int) -> dict:
-    cfg = memfit.Config(micro_batch=mb, checkpoint=mode)
+    cfg = memfit.Config(micro_batch=mb, activation_checkpoint=mode)
     est = memfit.estimate(wl, cfg)
     state = sum(est.model_state_bytes.values())
     gc.collect()
@@ -90,7 +90,7 @@ def measure_time(wl, mb: int, warmup: int, steps: int, tolerance: float = 1.25, 
     trainers = {}
     for mode in MODES:
         torch.manual_seed(0)
-        trainers[label(mode)] = memfit.TrainStep(wl, memfit.Config(micro_batch=mb, checkpoint=mode), "cpu")
+        trainers[label(mode)] = memfit.TrainStep(wl, memfit.Config(micro_batch=mb, activation_checkpoint=mode), "cpu")
     torch.manual_seed(1)
     batches = [wl.batch(mb) for _ in range(warmup + steps)]
     wall = {k: [] for k in trainers}
@@ -127,7 +127,7 @@ def measure_time(wl, mb: int, warmup: int, steps: int, tolerance: float = 1.25, 
 
 def _block_runs(block, policies: dict) -> dict:
     """name -> (forward callable, selective policy or None) for one decoder block."""
-    from memfit.strategies import checkpoint as ck
+    from memfit.strategies import activation_checkpoint as ck
 
     runs = {"none": (block.forward, None), "all": (functools.partial(ck._checkpointed, block.forward, False), None)}
     for name, policy in policies.items():
@@ -138,7 +138,7 @@ def _block_runs(block, policies: dict) -> dict:
 def time_block(d_model: int, seq: int, mb: int, policies: dict, reps: int = 40) -> dict:
     """One decoder block, forward + backward, under each checkpoint variant: short calls interleaved, the
     fastest and the 20th-percentile call (noise from other processes only ever adds). ms."""
-    from memfit.strategies import checkpoint as ck
+    from memfit.strategies import activation_checkpoint as ck
     from memfit.workloads.gpt import Block, config_for
 
     torch.manual_seed(0)
@@ -211,7 +211,7 @@ def policy_variants() -> dict:
     the checkpoint machinery costs by itself)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from memfit.strategies import checkpoint as ck
+    from memfit.strategies import activation_checkpoint as ck
 
     aten = torch.ops.aten
 
@@ -232,14 +232,14 @@ def policy_variants() -> dict:
 
 
 def variant_memory(wl, mb: int, policies: dict) -> dict:
-    """Estimated peak − model state for checkpoint="selective" under each policy (MiB)."""
-    from memfit.strategies import checkpoint as ck
+    """Estimated peak − model state for activation_checkpoint="selective" under each policy (MiB)."""
+    from memfit.strategies import activation_checkpoint as ck
 
     original, out = ck._selective_policy, {}
     for name, policy in policies.items():
         ck._selective_policy = policy  # the estimate's forked child inherits it
         try:
-            est = memfit.estimate(wl, memfit.Config(micro_batch=mb, checkpoint="selective"))
+            est = memfit.estimate(wl, memfit.Config(micro_batch=mb, activation_checkpoint="selective"))
         finally:
             ck._selective_policy = original
         out[name] = mib(est.peak_bytes - sum(est.model_state_bytes.values()))

@@ -35,8 +35,8 @@ CASES = [
 ]
 OPTIMIZERS = ["adamw", "sgd", "adam", "adagrad"]
 # strategies and their combinations, on two transformers (issue: every strategy and combination within 1%)
-STRATEGIES = [dict(precision="bf16", checkpoint="all", grad_accum=4), dict(checkpoint=2, offload_activations=True),
-              dict(offload_optimizer=True), dict(checkpoint="selective"), dict(precision="fp16"),
+STRATEGIES = [dict(precision="bf16", activation_checkpoint="all", grad_accum=4), dict(activation_checkpoint=2, offload_activations=True),
+              dict(offload_optimizer=True), dict(activation_checkpoint="selective"), dict(precision="fp16"),
               dict(precision="bf16-pure"), dict(offload_activations=True, offload_optimizer=True, precision="bf16")]
 STRATEGY_MODELS = [("GPT (SDPA)", lambda: models.gpt_sdpa(layers=4, d_model=256, seq=256), 4),
                    ("HF Llama", lambda: _hf("hf:llama", "adamw"), 4)]

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         print(f"run {i}: {m.wall:.1f} s (others used {m.foreign:.2f} cores meanwhile, load before {load:.2f})",
               flush=True)
     cfg = p.config
-    print(f"\nchosen: micro-batch {cfg.micro_batch} x {cfg.grad_accum}, {cfg.precision}, checkpoint {cfg.checkpoint}, "
+    print(f"\nchosen: micro-batch {cfg.micro_batch} x {cfg.grad_accum}, {cfg.precision}, checkpoint {cfg.activation_checkpoint}, "
           f"offload activations {cfg.offload_activations}, offload optimizer {cfg.offload_optimizer}")
     print(f"predicted peak {fmt_bytes(p.peak_bytes)} of {fmt_bytes(p.budget_bytes)} (usable {fmt_bytes(p.usable_bytes)}); "
           f"predicted step {p.step_seconds:.2f} s, {p.samples_per_second:.2f} samples/s; profile: {p.profile_source}")
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         print(f"| {fam} | {verdict} |")
     print("\nalternatives:")
     for c in p.alternatives:
-        print(f"  mb {c.config.micro_batch} x {c.config.grad_accum} {c.config.precision} ck {c.config.checkpoint} "
+        print(f"  mb {c.config.micro_batch} x {c.config.grad_accum} {c.config.precision} ck {c.config.activation_checkpoint} "
               f"off-act {c.config.offload_activations} off-opt {c.config.offload_optimizer}: "
               f"{c.step_seconds:.2f} s, {fmt_bytes(c.peak_bytes)}{' (confirmed)' if c.confirmed else ''}")
     for n in p.notes:

@@ -190,7 +190,7 @@ def mib(n) -> float | None:
 
 
 def key(cfg: Config) -> str:
-    ck = cfg.checkpoint if not isinstance(cfg.checkpoint, int) else f"every{cfg.checkpoint}"
+    ck = cfg.activation_checkpoint if not isinstance(cfg.activation_checkpoint, int) else f"every{cfg.activation_checkpoint}"
     return f"{cfg.precision}/{ck}/mb{cfg.micro_batch}x{cfg.grad_accum}"
 
 
@@ -298,7 +298,7 @@ def run_model(name: str, desc: str, wl, args, profile) -> dict:
         print(f"  - {fam}: {verdict}")
 
     # the grid: full estimates, two at a time in forked children
-    grid = [Config(micro_batch=m, grad_accum=G // m, precision=pr, checkpoint=ck)
+    grid = [Config(micro_batch=m, grad_accum=G // m, precision=pr, activation_checkpoint=ck)
             for pr in PRECISIONS for ck in CHECKPOINTS for m in range(1, G + 1) if G % m == 0]
     if key(p.config) not in {key(c) for c in grid}:
         grid.append(p.config)
@@ -359,7 +359,7 @@ def run_model(name: str, desc: str, wl, args, profile) -> dict:
     # real peaks: the plan, the baseline, the fastest measured, and one of each checkpoint mode
     peak_keys = [plan_key, baseline] + [r["key"] for r in fastest[:2]]
     for ck in ("all", "selective"):
-        alt = [r for r in measured if r["config"]["checkpoint"] == ck]
+        alt = [r for r in measured if r["config"]["activation_checkpoint"] == ck]
         if alt:
             peak_keys.append(max(alt, key=lambda r: r["config"]["micro_batch"])["key"])
     seen = set()
@@ -427,9 +427,9 @@ def ratio_table(rows: list[dict]) -> list[dict]:
     out = []
     pairs = {
         "bf16 / fp32 (same mb, ckpt)": lambda c: c.replace(precision="fp32") if c.precision == "bf16" else None,
-        "ckpt all / none": lambda c: c.replace(checkpoint="none") if c.checkpoint == "all" else None,
-        "ckpt selective / none": lambda c: c.replace(checkpoint="none") if c.checkpoint == "selective" else None,
-        "ckpt every 2 / none": lambda c: c.replace(checkpoint="none") if c.checkpoint == 2 else None,
+        "ckpt all / none": lambda c: c.replace(activation_checkpoint="none") if c.activation_checkpoint == "all" else None,
+        "ckpt selective / none": lambda c: c.replace(activation_checkpoint="none") if c.activation_checkpoint == "selective" else None,
+        "ckpt every 2 / none": lambda c: c.replace(activation_checkpoint="none") if c.activation_checkpoint == 2 else None,
         "mb 1 / mb 2 (same total)": lambda c: (c.replace(micro_batch=2, grad_accum=c.grad_accum // 2)
                                               if c.micro_batch == 1 else None),
         "mb 2 / mb 4": lambda c: (c.replace(micro_batch=4, grad_accum=c.grad_accum // 2)

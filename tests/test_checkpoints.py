@@ -20,7 +20,7 @@ from memfit.runtime import checkpoints as ck
 from memfit.runtime.checkpoints import (CheckpointError, export_safetensors, latest_checkpoint, load_checkpoint,
                                         load_model_state, restore, save_checkpoint)
 
-CONFIG = {"micro_batch": 2, "precision": "fp32", "grad_accum": 1, "checkpoint": "none"}
+CONFIG = {"micro_batch": 2, "precision": "fp32", "grad_accum": 1, "activation_checkpoint": "none"}
 
 
 class Net(nn.Module):

@@ -77,8 +77,8 @@ def test_peak_matches_the_profiler_on_transformers_models(name):
         assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
 
 
-@pytest.mark.parametrize("changes", [dict(precision="bf16"), dict(grad_accum=3), dict(checkpoint="all"),
-                                     dict(checkpoint=2, offload_activations=True), dict(offload_optimizer=True),
+@pytest.mark.parametrize("changes", [dict(precision="bf16"), dict(grad_accum=3), dict(activation_checkpoint="all"),
+                                     dict(activation_checkpoint=2, offload_activations=True), dict(offload_optimizer=True),
                                      dict(precision="bf16-pure")])
 def test_strategies_match_the_profiler(changes):
     wl = builtin("gpt-tiny")

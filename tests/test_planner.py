@@ -54,7 +54,7 @@ def test_fixed_choices_are_honoured(gpt):
 
 def test_an_impossible_budget_says_what_it_would_take(gpt):
     with pytest.raises(PlanError, match="nothing fits .* needs at least .* of budget") as e:
-        plan(gpt, 8, budget="100KiB", precision="fp32", checkpoint="all", profile=FLAT)
+        plan(gpt, 8, budget="100KiB", precision="fp32", activation_checkpoint="all", profile=FLAT)
     assert "world size" not in str(e.value)  # nothing distributed exists
 
 
@@ -70,7 +70,7 @@ def test_the_largest_micro_batch_fits_and_the_next_does_not(gpt):
 
 def test_step_time_model_orders_the_obvious_cases(gpt):
     plain = memfit.estimate(gpt, Config(micro_batch=8))
-    ck = memfit.estimate(gpt, Config(micro_batch=8, checkpoint="all"))
+    ck = memfit.estimate(gpt, Config(micro_batch=8, activation_checkpoint="all"))
     accum = memfit.estimate(gpt, Config(micro_batch=1, grad_accum=8))
     t_plain, t_ck, t_accum = (step_seconds(FLAT, e) for e in (plain, ck, accum))
     assert t_plain < t_ck  # recomputation costs time
@@ -83,7 +83,7 @@ def test_step_time_model_orders_the_obvious_cases(gpt):
 
 
 def test_gpu_plans_search_offload_and_not_fp32(gpt):
-    p = plan(gpt, 8, device="h100", budget="1GiB", checkpoint="none")
+    p = plan(gpt, 8, device="h100", budget="1GiB", activation_checkpoint="none")
     assert p.config.precision == "bf16"
     assert any("fp32 not searched" in n for n in p.notes)
     names = {f for f, _ in p.families}
@@ -99,7 +99,7 @@ def test_cli_plan_json_and_errors(capfd, gpt):
     assert main(["plan", "gpt-tiny", "--budget", "1GiB"]) == 2
     assert "needs --global-batch" in capfd.readouterr().err
     assert main(["plan", "gpt-tiny", "--global-batch", "8", "--budget", "10KiB", "--precision", "fp32",
-                 "--checkpoint", "none"]) == 2
+                 "--activation-checkpoint", "none"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfit: error: nothing fits")
 
@@ -188,11 +188,11 @@ def test_families_over_budget_by_their_state_alone_are_not_traced(gpt):
     offloaded = state_bytes(gpt, Config(precision="bf16", offload_optimizer=True), h100)
     assert offloaded < floor
     budget = int((floor + offloaded) / 2 / (1 - MARGIN))  # room for the offloaded state, not the full one
-    p = plan(gpt, 8, device=h100, budget=budget, checkpoint="all")
+    p = plan(gpt, 8, device=h100, budget=budget, activation_checkpoint="all")
     assert p.config.offload_optimizer
     verdicts = dict(p.families)
-    assert verdicts["bf16, checkpoint all"].startswith("does not fit: weights, gradients and optimizer state alone")
-    assert "chosen" in verdicts["bf16, checkpoint all, optimizer offload"]
+    assert verdicts["bf16, activation checkpointing all"].startswith("does not fit: weights, gradients and optimizer state alone")
+    assert "chosen" in verdicts["bf16, activation checkpointing all, optimizer offload"]
 
 
 def test_a_workload_that_raises_is_one_clear_error():
@@ -212,12 +212,12 @@ def test_a_model_that_cannot_train_at_micro_batch_1_is_planned_from_2(gpt):
     from memfit.memory.estimate import MicroBatchError
 
     wl = builtin("resnet-tiny")
-    p = plan(wl, 8, budget="1GiB", precision="fp32", checkpoint="none", profile=FLAT)
+    p = plan(wl, 8, budget="1GiB", precision="fp32", activation_checkpoint="none", profile=FLAT)
     assert p.config.micro_batch >= 2 and p.config.global_batch == 8
     assert any("cannot train at micro-batch 1" in n and "probed at 2 and 4" in n for n in p.notes)
     assert all(a.config.micro_batch >= 2 for a in p.alternatives)
     with pytest.raises(MicroBatchError, match="cannot train at micro-batch 1"):
-        plan(wl, 8, budget="1GiB", precision="fp32", checkpoint="none", micro_batch=1, profile=FLAT)
+        plan(wl, 8, budget="1GiB", precision="fp32", activation_checkpoint="none", micro_batch=1, profile=FLAT)
 
 
 class _Flaky(torch.nn.Module):
@@ -240,10 +240,10 @@ def test_a_family_that_raises_is_skipped_with_its_reason():
                          loss=lambda m, b: m(b).square().mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                          name="flaky")
     p = plan(wl, 4, budget="1GiB", precision="fp32", profile=FLAT)
-    assert p.config.checkpoint == "none"
+    assert p.config.activation_checkpoint == "none"
     verdicts = dict(p.families)
-    assert verdicts["fp32, checkpoint none"].startswith("chosen")
-    assert verdicts["fp32, checkpoint selective"].startswith("skipped: tracing it raised RuntimeError: aten.")
+    assert verdicts["fp32, activation checkpointing none"].startswith("chosen")
+    assert verdicts["fp32, activation checkpointing selective"].startswith("skipped: tracing it raised RuntimeError: aten.")
 
 
 def test_the_largest_micro_batch_is_not_capped():
@@ -291,7 +291,8 @@ def _ops(*rows, phase="forward"):
 # FLAT plus class curves: convolutions 10x slower than matmuls, bf16 attention backward 10x slower than
 # its FLOPs at the matmul rate, bf16 elementwise ops half fp32's rate per byte, exp-like ops 10x slower
 CURVED = Profile(**{**FLAT.to_dict(), "curves": {
-    "conv.f32": [[1e6, 1e-4], [1e9, 0.1]], "attn_bwd.lp": [[1e6, 2e-4], [1e9, 0.2]],
+    "conv.f32": [[1e6, 1e-4], [1e9, 0.1]], "conv_bytes.f32": [[1e3, 1e-4], [1e9, 1.0]],
+    "attn_bwd.lp": [[1e6, 2e-4], [1e9, 0.2]],
     "elementwise.f32": [[1e3, 5e-8], [1e9, 0.05]], "elementwise.lp": [[1e3, 1e-7], [1e9, 0.1]],
     "special.f32": [[1e3, 5e-7], [1e9, 0.5]]}})
 
@@ -303,8 +304,10 @@ def _busy(profile, *op) -> float:
 
 def test_step_time_model_prices_each_class_of_op_by_its_own_curve():
     lp_matmul = 1e9 / 1e12 * 20.0  # FLAT's bf16 matmul curve at 1 GFLOP
-    # a convolution by its FLOPs on the convolution curve; without one, on the matmul curve
+    # a convolution by its FLOPs on the convolution curve, or by its bytes if that is slower (narrow
+    # convolutions cost per pixel); without curves, on the matmul curve
     assert _busy(CURVED, "convolution", "f32", 1e9, 1e3) == pytest.approx(0.1)
+    assert _busy(CURVED, "convolution", "f32", 1e9, 1e9) == pytest.approx(1.0)
     assert _busy(FLAT, "convolution", "f32", 1e9, 1e3) == pytest.approx(0.01)
     assert _busy(CURVED, "convolution_backward", "f32", 1e9, 1e3) == pytest.approx(0.01)  # no curve of its own
     # bf16 attention backward: its own curve, not the matmul's, and not priced as random numbers

@@ -9,7 +9,7 @@ from torch import nn
 
 import memfit
 from memfit import Config, ConfigError, Trainer, TrainStep
-from memfit.strategies.checkpoint import chosen_blocks, find_blocks
+from memfit.strategies.activation_checkpoint import chosen_blocks, find_blocks
 from memfit.workloads import builtin
 
 from numerics import gpt_gradient_terms, sum_tolerance
@@ -114,8 +114,8 @@ def test_accumulated_loss_is_the_global_mean(gpt, gpt_batch):
 
 
 @pytest.mark.parametrize("changes", [
-    dict(checkpoint="all"), dict(checkpoint=2), dict(checkpoint=("layers.1",)), dict(checkpoint="selective"),
-    dict(offload_activations=True), dict(checkpoint=2, offload_activations=True),
+    dict(activation_checkpoint="all"), dict(activation_checkpoint=2), dict(activation_checkpoint=("layers.1",)), dict(activation_checkpoint="selective"),
+    dict(offload_activations=True), dict(activation_checkpoint=2, offload_activations=True),
 ])
 def test_recompute_and_activation_offload_are_bitwise_identical(gpt, gpt_batch, changes):
     plain = _run(gpt, Config(micro_batch=8), gpt_batch, steps=2)
@@ -141,7 +141,7 @@ def test_optimizer_offload_matches_the_plain_step(gpt, gpt_batch, optimizer):
 
 def test_checkpointing_recomputes_instead_of_saving(gpt):
     none = memfit.estimate(gpt, Config(micro_batch=4))
-    ck = memfit.estimate(gpt, Config(micro_batch=4, checkpoint="all"))
+    ck = memfit.estimate(gpt, Config(micro_batch=4, activation_checkpoint="all"))
     assert none.recompute_flops == 0
     assert ck.recompute_flops > 0 and ck.flops == none.flops + ck.recompute_flops
     assert ck.breakdown["activations"] < none.breakdown["activations"] / 4
@@ -183,11 +183,11 @@ def test_blocks_are_found_in_models_not_written_for_memfit():
 
 def test_bad_configurations_fail_before_anything_is_applied(gpt):
     with pytest.raises(ConfigError, match="no module named 'layers.7'"):
-        TrainStep(gpt, Config(checkpoint=("layers.0", "layers.7")), "cpu")
+        TrainStep(gpt, Config(activation_checkpoint=("layers.0", "layers.7")), "cpu")
     with pytest.raises(ValueError, match="grad_accum must be"):
         Config(grad_accum=0)
     with pytest.raises(ValueError, match="checkpoint must be"):
-        Config(checkpoint="some")
+        Config(activation_checkpoint="some")
     with pytest.raises(ConfigError, match="no native bf16"):
         memfit.estimate(gpt, Config(precision="bf16"), device="v100-32gb")
     with pytest.raises(ValueError, match="fp16 loss scaling with offload_optimizer"):
@@ -196,14 +196,14 @@ def test_bad_configurations_fail_before_anything_is_applied(gpt):
     model = gpt.model()
     with pytest.raises(ConfigError):
         from memfit.strategies import apply_model_strategies
-        apply_model_strategies(model, Config(precision="bf16-pure", checkpoint=("nope",)), torch.device("cpu"))
+        apply_model_strategies(model, Config(precision="bf16-pure", activation_checkpoint=("nope",)), torch.device("cpu"))
     assert "forward" not in vars(model.layers[0])
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_config_round_trips_through_json():
-    cfg = Config(micro_batch=3, grad_accum=2, precision="bf16", checkpoint=("a", "b"), offload_activations=True)
+    cfg = Config(micro_batch=3, grad_accum=2, precision="bf16", activation_checkpoint=("a", "b"), offload_activations=True)
     assert Config.from_json(cfg.to_json()) == cfg
-    assert Config.from_json(Config(checkpoint=2).to_json()).checkpoint == 2
+    assert Config.from_json(Config(activation_checkpoint=2).to_json()).activation_checkpoint == 2
     with pytest.raises(ValueError, match="unknown Config field"):
         Config.from_dict({"micro_batch": 1, "zero_stage": 3})

@@ -377,7 +377,7 @@ def test_oom_recovery_keeps_the_math(tmp_path):
     assert "micro-batch 8" in events[0]
     final = res.config
     assert final.micro_batch < 8 and recs[-1]["micro_batch"] == final.micro_batch
-    assert final.micro_batch * final.grad_accum == G and final.checkpoint == "none"
+    assert final.micro_batch * final.grad_accum == G and final.activation_checkpoint == "none"
     assert res.report["oom_recoveries"] == len(events) and res.report["config"] == final.to_dict()
     assert all(r["peak_bytes"] is not None and r["peak_bytes"] <= budget for r in recs)  # measured, in budget
     # predicted vs measured for the configuration that was measured: the starting one's predicted peak is not
@@ -559,7 +559,7 @@ def test_the_report_predicts_what_the_plan_printed(tmp_path):
 def test_a_run_at_a_given_micro_batch_predicts_what_plan_says_for_it(tmp_path):
     wl, G, m = builtin("gpt-tiny"), 8, 2
     res = train(wl, 2, G, micro_batch=m, progress=False, out=tmp_path / "run")
-    p = memfit.plan(wl, G, micro_batch=m, precision="fp32", checkpoint="none")
+    p = memfit.plan(wl, G, micro_batch=m, precision="fp32", activation_checkpoint="none")
     assert p.config == res.config and p.config.grad_accum == 4
     assert res.report["predicted_step_seconds"] == p.step_seconds
     assert res.report["predicted_peak_bytes"] == p.peak_bytes

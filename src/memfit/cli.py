@@ -9,7 +9,7 @@ from memfit import __version__
 from memfit.config import PRECISIONS, Config
 
 
-def _checkpoint_arg(text: str):
+def _activation_checkpoint_arg(text: str):
     if text in ("none", "all", "selective"):
         return text
     if text.isdigit():
@@ -45,8 +45,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="samples per forward/backward pass (default: 1, or the smallest the model trains at)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=_PRECISION_HELP + " (default: fp32)")
-    p.add_argument("--checkpoint", type=_checkpoint_arg, default="none",
-                   help="none | all | selective | k (every k-th block) | name,name,...")
+    p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg, default="none",
+                   help="activation checkpointing: none | all | selective | k (every k-th block) | name,name,... "
+                        "(--checkpoint: the old spelling, read until 0.3)")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep activations saved for backward in host memory between forward and backward")
     p.add_argument("--offload-optimizer", action="store_true",
@@ -62,7 +63,7 @@ def _config(args) -> Config:
                 text = f.read()
         return Config.from_json(text)
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=args.precision,
-                  checkpoint=args.checkpoint, offload_activations=args.offload_activations,
+                  activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer)
 
 
@@ -147,7 +148,8 @@ def cmd_plan(args) -> int:
             raise ValueError("plan needs --global-batch (samples per optimizer step)")
         check_batches(args.global_batch, args.micro_batch)
     workload = load_workload(args.workload, **_options(args))
-    fixed = dict(precision=args.precision, micro_batch=args.micro_batch, checkpoint=args.checkpoint,
+    fixed = dict(precision=args.precision, micro_batch=args.micro_batch,
+                 activation_checkpoint=args.activation_checkpoint,
                  offload_activations=True if args.offload_activations else None,
                  offload_optimizer=True if args.offload_optimizer else None)
     if args.max_micro_batch:
@@ -322,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU")
     p.add_argument("--micro-batch", type=int, help="fix the micro-batch")
     p.add_argument("--precision", choices=PRECISIONS, help="fix the precision: " + _PRECISION_HELP)
-    p.add_argument("--checkpoint", type=_checkpoint_arg, help="fix checkpointing")
+    p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg,
+                   help="fix activation checkpointing: none | all | selective | k | name,name,... "
+                        "(--checkpoint: the old spelling, read until 0.3)")
     p.add_argument("--offload-activations", action="store_true", help="force activation offload")
     p.add_argument("--offload-optimizer", action="store_true", help="force optimizer offload")
     p.add_argument("--max-micro-batch", action="store_true", help="the largest micro-batch that fits, config fixed")

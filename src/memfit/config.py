@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 from memfit.errors import ConfigError
 
@@ -11,21 +12,33 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """How one optimizer step is executed.
+    """How one optimizer step is executed. Frozen: a run that changes its configuration (OOM recovery)
+    makes a new one with `replace`.
 
-    micro_batch  samples per forward/backward pass.
-    grad_accum   micro-steps per optimizer step; the global batch is micro_batch * grad_accum.
-    precision    fp32 | bf16 (bf16 autocast, fp32 params) | fp16 (fp16 autocast + dynamic loss
-                 scaling) | bf16-pure (bf16 params, grads and optimizer state; no fp32 master copy).
-    checkpoint   "none" | "all" | "selective" | k (every k-th repeated block) | [module names].
-    offload_activations  saved activations live in host memory between forward and backward.
-    offload_optimizer    optimizer state and optimizer step live on the host (ZeRO-Offload).
+    Args:
+        micro_batch: samples per forward/backward pass.
+        precision: ``fp32``; ``bf16`` (bf16 autocast, fp32 weights); ``fp16`` (fp16 autocast and dynamic
+            loss scaling); ``bf16-pure`` (bf16 weights, gradients and optimizer state, no fp32 master copy:
+            8 bytes a parameter with AdamW instead of 16, and numerically weaker).
+        grad_accum: micro-steps per optimizer step; the global batch is ``micro_batch * grad_accum``.
+        activation_checkpoint: which blocks drop their activations after forward and recompute them in
+            backward: ``"none"``, ``"all"`` repeated blocks, ``"selective"`` (every block, but the outputs
+            of matmuls and attention are kept), an integer k (every k-th block) or a tuple of module names.
+        offload_activations: saved activations live in host memory between forward and backward.
+        offload_optimizer: fp32 master weights, optimizer state and the optimizer step live on the host
+            (ZeRO-Offload's idea).
+
+    Example::
+
+        cfg = Config(micro_batch=4, grad_accum=8, precision="bf16", activation_checkpoint="all")
+        cfg.global_batch   # 32
+        Config.from_json(cfg.to_json()) == cfg
     """
 
     micro_batch: int = 1
     precision: str = "fp32"
     grad_accum: int = 1
-    checkpoint: str | int | tuple[str, ...] = "none"
+    activation_checkpoint: str | int | tuple[str, ...] = "none"
     offload_activations: bool = False
     offload_optimizer: bool = False
 
@@ -38,14 +51,15 @@ class Config:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.offload_optimizer and self.precision == "fp16":
             raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
-        ck = self.checkpoint
+        ck = self.activation_checkpoint
         if isinstance(ck, list):
-            object.__setattr__(self, "checkpoint", tuple(ck))
+            object.__setattr__(self, "activation_checkpoint", tuple(ck))
         elif isinstance(ck, bool) or not (
             ck in ("none", "all", "selective") or (isinstance(ck, int) and ck >= 1) or isinstance(ck, tuple)
         ):
             raise ConfigError(
-                f"checkpoint must be 'none', 'all', 'selective', an integer k >= 1 or a list of module names, got {ck!r}"
+                "activation_checkpoint must be 'none', 'all', 'selective', an integer k >= 1 or a list of module "
+                f"names, got {ck!r}"
             )
 
     @property
@@ -55,10 +69,24 @@ class Config:
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
+    def describe(self) -> str:
+        """One line for people, e.g. "micro-batch 4 x 8, bf16, activation checkpointing all, optimizer
+        offload"; every table, verdict and log line describes a configuration with it."""
+        parts = [f"micro-batch {self.micro_batch} x {self.grad_accum}", self.precision]
+        ck = self.activation_checkpoint
+        if ck != "none":
+            what = ",".join(ck) if isinstance(ck, tuple) else f"1 block in {ck}" if isinstance(ck, int) else ck
+            parts.append(f"activation checkpointing {what}")
+        if self.offload_activations:
+            parts.append("activation offload")
+        if self.offload_optimizer:
+            parts.append("optimizer offload")
+        return ", ".join(parts)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        if isinstance(d["checkpoint"], tuple):
-            d["checkpoint"] = list(d["checkpoint"])
+        if isinstance(d["activation_checkpoint"], tuple):
+            d["activation_checkpoint"] = list(d["activation_checkpoint"])
         return d
 
     def to_json(self) -> str:
@@ -66,6 +94,11 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        d = dict(d)
+        if "checkpoint" in d and "activation_checkpoint" not in d:  # memfit 0.1's name (plans, run checkpoints)
+            warnings.warn("Config field 'checkpoint' is now 'activation_checkpoint'; the old name is read until "
+                          "memfit 0.3", DeprecationWarning, stacklevel=2)
+            d["activation_checkpoint"] = d.pop("checkpoint")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown Config field(s): {', '.join(sorted(unknown))}")

@@ -29,7 +29,7 @@ from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quie
 from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
-from memfit.strategies.checkpoint import find_blocks
+from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")

@@ -126,7 +126,7 @@ class _Family:
 
 
 def _family_name(cfg: Config) -> str:
-    parts = [cfg.precision, f"checkpoint {cfg.checkpoint}"]
+    parts = [cfg.precision, f"activation checkpointing {cfg.activation_checkpoint}"]
     if cfg.offload_activations:
         parts.append("activation offload")
     if cfg.offload_optimizer:
@@ -153,7 +153,7 @@ def _micro_batches(global_batch: int, fixed: int | None, smallest: int = 1) -> l
 
 
 def plan(workload: Workload, global_batch: int, budget=None, device: str | Device = "cpu", *,
-         precision: str | None = None, micro_batch: int | None = None, checkpoint=None,
+         precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
          profile: Profile | None = None, confirm: int = 2) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
@@ -170,7 +170,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     precisions = [precision] if precision else (["fp32", "bf16"] if cpu else ["bf16" if dev.bf16 else "fp16"])
     if not precision and not cpu:
         notes.append(f"fp32 not searched on a GPU: {precisions[0]} autocast is smaller and faster; fix it to force")
-    checkpoints = [checkpoint] if checkpoint is not None else ["none", "all", "selective"]
+    checkpoints = [activation_checkpoint] if activation_checkpoint is not None else ["none", "all", "selective"]
     if cpu:
         offloads = [(bool(offload_activations), bool(offload_optimizer))]
         if offload_activations is None and offload_optimizer is None:
@@ -182,11 +182,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             opts = [False]
             notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
-    bases = [Config(micro_batch=1, precision=p, checkpoint=ck, offload_activations=act,
+    bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt)
              for p in precisions for ck in checkpoints for act, opt in offloads
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and checkpoint is None)]
+             if not (act and ck != "none" and activation_checkpoint is None)]
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
     smallest_need: dict[str, int] = {}
@@ -240,8 +240,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 cfg = fam.base.replace(micro_batch=m, grad_accum=accum)
                 candidates.append(Candidate(cfg, need, fam.seconds(rates(), m, accum)))
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
-        none = families.get(base.replace(checkpoint="none"))
-        if base.checkpoint == "all" and none is not None and checkpoint is None:
+        none = families.get(base.replace(activation_checkpoint="none"))
+        if base.activation_checkpoint == "all" and none is not None and activation_checkpoint is None:
             candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, rates)
     if too_small and not families:
         fam = too_small[0]
@@ -337,12 +337,12 @@ def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cp
             if need <= usable:
                 t = none.seconds(rates(), m, accum)
                 t += share * (full.seconds(rates(), m, accum) - t)
-                out.append(Candidate(full.base.replace(checkpoint=k, micro_batch=m, grad_accum=accum), need, t))
+                out.append(Candidate(full.base.replace(activation_checkpoint=k, micro_batch=m, grad_accum=accum), need, t))
     return out
 
 
 def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu", *, precision: str | None = None,
-                    micro_batch: int | None = None, checkpoint=None, offload_activations: bool | None = None,
+                    micro_batch: int | None = None, activation_checkpoint=None, offload_activations: bool | None = None,
                     offload_optimizer: bool | None = None) -> dict:
     """The largest micro-batch that fits with everything else fixed: the straight line through two probes
     proposes it, full estimates confirm it and its successor. No upper bound: memory grows with every
@@ -351,7 +351,7 @@ def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
     base = Config(micro_batch=1, precision=precision or ("fp32" if dev.kind == "cpu" else "bf16"),
-                  checkpoint=checkpoint or "none", offload_activations=bool(offload_activations),
+                  activation_checkpoint=activation_checkpoint or "none", offload_activations=bool(offload_activations),
                   offload_optimizer=bool(offload_optimizer))
     fam = _Family(base, *_run_isolated(lambda: probe_traces(workload, base, dev)))
     cpu = dev.kind == "cpu"

@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.config import Config
 from memfit.units import fmt_bytes
 
 SIZE = (11.0, 5.5)        # inches: the memory timeline, 1320 x 660 pixels at DPI
@@ -173,13 +174,8 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
         if title is None:
-            cfg = estimate.config
-            bits = [f"micro-batch {cfg.get('micro_batch')}", str(cfg.get("precision"))]
-            if cfg.get("grad_accum", 1) > 1:
-                bits.append(f"accumulation {cfg['grad_accum']}")
-            if cfg.get("checkpoint", "none") != "none":
-                bits.append(f"checkpoint {cfg['checkpoint']}")
-            title = f"Memory over one training step — {estimate.workload} · {' · '.join(bits)} · {estimate.device}"
+            described = Config.from_dict(estimate.config).describe()
+            title = f"Memory over one training step — {estimate.workload} · {described} · {estimate.device}"
             if estimate.method != "fake":  # the timeline is of a real CPU step at a micro-batch that may differ
                 title += f"\n(timeline of a real CPU step; peak {estimate.method})"
         ax.set_title(title, loc="left")

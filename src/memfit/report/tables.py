@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.config import Config
 from memfit.units import fmt_bytes, fmt_number
 
 _CATEGORY_TITLES = {
@@ -20,16 +21,7 @@ _METHODS = {
 
 
 def _config_line(cfg: dict) -> str:
-    parts = [f"micro-batch {cfg['micro_batch']}", cfg["precision"]]
-    if cfg.get("grad_accum", 1) > 1:
-        parts.append(f"accumulation {cfg['grad_accum']}")
-    if cfg.get("checkpoint", "none") != "none":
-        parts.append(f"checkpoint {cfg['checkpoint']}")
-    if cfg.get("offload_activations"):
-        parts.append("activation offload")
-    if cfg.get("offload_optimizer"):
-        parts.append("optimizer offload")
-    return " · ".join(parts)
+    return Config.from_dict(cfg).describe()
 
 
 def estimate_view(est: Estimate) -> Group:

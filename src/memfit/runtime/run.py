@@ -99,8 +99,8 @@ def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
         out.append(config.replace(micro_batch=m, grad_accum=math.ceil(global_batch / m)))
     last = out[-1] if out else config
     for ck in ("selective", "all"):
-        if last.checkpoint in ("none", "selective") and ck != last.checkpoint:
-            out.append(last.replace(checkpoint=ck))
+        if last.activation_checkpoint in ("none", "selective") and ck != last.activation_checkpoint:
+            out.append(last.replace(activation_checkpoint=ck))
     return out
 
 
@@ -283,7 +283,7 @@ class _Run:
         self._forget_metrics_from(state["step"])
         self._log_event(state["step"], f"resumed from {path.name}")
         self.console.print(f"resumed from {path} (step {state['step']} of {self.steps}, "
-                           f"{_describe(self.trainer.config)})")
+                           f"{self.trainer.config.describe()})")
         return state["step"]
 
     def _forget_metrics_from(self, step: int) -> None:
@@ -350,12 +350,12 @@ class _Run:
         old = self.trainer.config
         for cand in recovery_ladder(old, self.global_batch):
             self.trainer.reconfigure(cand)
-            msg = (f"step {step}: out of memory ({phase}) at {_describe(old)}; redoing the same global batch with "
-                   f"{_describe(cand)}")
+            msg = (f"step {step}: out of memory ({phase}) at {old.describe()}; redoing the same global batch with "
+                   f"{cand.describe()}")
             self.console.print(f"[yellow]{msg}[/]")
             return msg
         path = self.save(step)
-        raise RunError(f"step {step}: out of memory at {_describe(old)} and nothing smaller is left to try; "
+        raise RunError(f"step {step}: out of memory at {old.describe()} and nothing smaller is left to try; "
                        f"checkpoint written to {path}") from oom
 
     def _log_event(self, step: int, text: str) -> None:
@@ -398,7 +398,7 @@ class _Run:
                     rec = dict(step=step, loss=loss, lr=lr, step_seconds=seconds,
                                samples_per_second=self.global_batch / seconds, peak_bytes=peak,
                                micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
-                               checkpoint=cfg.to_dict()["checkpoint"],
+                               activation_checkpoint=cfg.to_dict()["activation_checkpoint"],
                                skipped_fp16_steps=self.trainer.engine.skipped_steps, events=events)
                     with open(self.metrics_path, "a") as f:
                         f.write(json.dumps(rec) + "\n")
@@ -422,13 +422,6 @@ class _Run:
             raise KeyboardInterrupt
         self.stop_requested = True
         self.console.print("[yellow]Ctrl-C: finishing this step, then writing a checkpoint (again to abort)[/]")
-
-
-def _describe(cfg: Config) -> str:
-    text = f"micro-batch {cfg.micro_batch} x {cfg.grad_accum}"
-    if cfg.checkpoint != "none":
-        text += f", checkpoint {cfg.checkpoint}"
-    return text
 
 
 def _history(out: Path) -> list[dict]:
@@ -514,7 +507,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     out.mkdir(parents=True, exist_ok=True)  # everything checked: from here on the run writes
     if chosen is not None:
         (out / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=1))
-        console.print(f"plan: {_describe(config)}, {config.precision}, predicted peak {fmt_bytes(chosen.peak_bytes)}, "
+        console.print(f"plan: {config.describe()}, predicted peak {fmt_bytes(chosen.peak_bytes)}, "
                       f"{chosen.samples_per_second:.1f} samples/s (saved to {out / 'plan.json'})")
     run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget_bytes,
                checkpoint_every, console, predictions)
@@ -537,7 +530,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     shown = predictions.get(final) or start
     if shown.estimate is not None:
         plot_memory_timeline(shown.estimate, out / "memory.png",
-                             title=f"{workload.name}: memory of one step at {_describe(shown.config)} (predicted)")
+                             title=f"{workload.name}: memory of one step at {shown.config.describe()} (predicted)")
     if run.stop_requested and not finished:
         raise KeyboardInterrupt(f"interrupted: checkpoint of step {run.trainer.step_count} written to "
                                 f"{ckpt.checkpoint_path(out, run.trainer.step_count)}; resume with --resume")
@@ -566,7 +559,7 @@ def _report(workload, history: list[dict], predictions: dict, final: Config, ide
     groups: dict[Config, list[dict]] = {}
     for r in (r for r in history if "loss" in r):
         cfg = final.replace(micro_batch=r["micro_batch"], grad_accum=r.get("grad_accum", final.grad_accum),
-                            checkpoint=r.get("checkpoint", final.checkpoint))
+                            activation_checkpoint=r.get("activation_checkpoint", final.activation_checkpoint))
         groups.setdefault(cfg, []).append(r)
     rows = []
     for cfg, recs in groups.items():

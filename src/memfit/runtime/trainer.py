@@ -7,7 +7,7 @@ from torch.utils.data import default_collate
 from memfit.config import Config
 from memfit.step import TrainStep
 from memfit.strategies import ActivationOffload
-from memfit.strategies.checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
 from memfit.workload import Batch, Workload
 
 
@@ -54,9 +54,9 @@ class Trainer:
         old = self.config
         if (config.precision, config.offload_optimizer) != (old.precision, old.offload_optimizer):
             raise ValueError("a running trainer cannot change precision or optimizer offload")
-        if config.checkpoint != old.checkpoint:
-            names = chosen_blocks(self.engine.model, config.checkpoint)
-            apply_checkpointing(self.engine.model, names, selective=config.checkpoint == "selective")
+        if config.activation_checkpoint != old.activation_checkpoint:
+            names = chosen_blocks(self.engine.model, config.activation_checkpoint)
+            apply_checkpointing(self.engine.model, names, selective=config.activation_checkpoint == "selective")
         if config.offload_activations != old.offload_activations:
             self.engine.activation_offload = (ActivationOffload(self.engine.model, self.engine.device)
                                               if config.offload_activations else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from memfit.config import Config
-from memfit.strategies.checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.precision import autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler
 
@@ -20,6 +20,6 @@ __all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "a
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
     """The fixed order: 1. precision of the weights, 2. activation checkpointing of repeated blocks.
     Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
-    blocks = chosen_blocks(model, config.checkpoint)
+    blocks = chosen_blocks(model, config.activation_checkpoint)
     model = cast_model(model, config)
-    return apply_checkpointing(model, blocks, selective=config.checkpoint == "selective")
+    return apply_checkpointing(model, blocks, selective=config.activation_checkpoint == "selective")

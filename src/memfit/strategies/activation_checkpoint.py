@@ -51,7 +51,7 @@ def find_blocks(model: torch.nn.Module) -> list[str]:
 
 
 def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
-    """Resolve Config.checkpoint to module names, or raise ConfigError naming what is wrong."""
+    """Resolve Config.activation_checkpoint to module names, or raise ConfigError naming what is wrong."""
     if spec == "none":
         return []
     if isinstance(spec, tuple):
@@ -59,11 +59,11 @@ def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
         missing = [n for n in spec if n not in modules or n == ""]
         if missing:
             hint = ", ".join(find_blocks(model)[:6]) or "none found"
-            raise ConfigError(f"checkpoint: no module named {', '.join(map(repr, missing))} (repeated blocks: {hint})")
+            raise ConfigError(f"activation checkpointing: no module named {', '.join(map(repr, missing))} (repeated blocks: {hint})")
         return list(spec)
     blocks = find_blocks(model)
     if not blocks:
-        raise ConfigError("checkpoint: found no repeated blocks in this model; name modules explicitly")
+        raise ConfigError("activation checkpointing: found no repeated blocks in this model; name modules explicitly")
     if spec in ("all", "selective"):
         return blocks
     return blocks[::spec]  # every k-th block, starting with the first
