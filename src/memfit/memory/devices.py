@@ -197,6 +197,24 @@ _SPELLINGS: dict[str, tuple[str, int, str]] = {
 _NOISE = {"nvidia", "geforce", "rtx", "tesla", "gpu", "hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What memfit assumes on a device when the user does not say (one home for every command)."""
+    precision: str              # a single configuration's precision: estimate, --max-micro-batch, train
+    precisions: tuple           # what plan searches
+    search_offload: bool        # offload only helps where host memory is not device memory
+
+
+def defaults_for(dev: Device) -> Defaults:
+    """CPU: fp32 (and bf16 searched: its kernels are not always faster there). GPU: mixed precision in the
+    device's fast half-precision type -- bf16 where the hardware has it, else fp16 with loss scaling; fp32
+    is not searched, autocast is smaller and faster on every catalogue GPU."""
+    if dev.kind == "cpu":
+        return Defaults(precision="fp32", precisions=("fp32", "bf16"), search_offload=False)
+    half = "bf16" if dev.bf16 else "fp16"
+    return Defaults(precision=half, precisions=(half,), search_offload=True)
+
+
 def device_names() -> list[str]:
     """Catalogue keys, sorted (aliases, "cpu" and "cuda" excluded)."""
     return sorted(DEVICES)
