@@ -165,7 +165,7 @@ def cmd_plan(args) -> int:
     result = plan(workload, args.global_batch, budget=args.budget, device=device, **fixed)
     verified = None
     if args.verify:
-        from memfit.planner.verify import verify
+        from memfit.runtime.verify import verify
         verified = verify(workload, result, steps=args.verify_steps)
     if args.json:
         out = result.to_dict()
