@@ -43,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import memfit  # noqa: E402
+from memfit.step import TrainStep  # noqa: E402
 from memfit.workloads import builtin  # noqa: E402
 from truth import real_step_peak  # noqa: E402
 
@@ -90,7 +91,7 @@ def measure_time(wl, mb: int, warmup: int, steps: int, tolerance: float = 1.25, 
     trainers = {}
     for mode in MODES:
         torch.manual_seed(0)
-        trainers[label(mode)] = memfit.TrainStep(wl, memfit.Config(micro_batch=mb, activation_checkpoint=mode), "cpu")
+        trainers[label(mode)] = TrainStep(wl, memfit.Config(micro_batch=mb, activation_checkpoint=mode), "cpu")
     torch.manual_seed(1)
     batches = [wl.batch(mb) for _ in range(warmup + steps)]
     wall = {k: [] for k in trainers}

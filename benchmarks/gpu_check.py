@@ -7,7 +7,7 @@ max_memory_reserved() and the process's use as nvidia-smi shows it.
     python benchmarks/gpu_check.py --list          # the cases, without running anything
 
 For each case (workload + Config): `memfit.estimate(workload, config, device="cuda")`, then the real thing
-with `memfit.TrainStep(workload, config, "cuda")`: one warm-up step, `torch.cuda.reset_peak_memory_stats()`,
+with `memfit.step.TrainStep(workload, config, "cuda")`: one warm-up step, `torch.cuda.reset_peak_memory_stats()`,
 then the measured step on a fresh batch, synchronised. Each case runs in a fresh subprocess (clean peak
 statistics and CUDA context) with its own timeout; an OOM or a crash is recorded and the run goes on. The
 results go to --out (default benchmarks/results/gpu_check.json), rewritten after every case so that a
@@ -190,7 +190,7 @@ def run_case(case: dict) -> dict:
         t0 = time.perf_counter()
         try:
             torch.manual_seed(0)
-            step = memfit.TrainStep(wl, config, "cuda")
+            step = memfit.step.TrainStep(wl, config, "cuda")
             step(wl.batch(config.global_batch))  # warm-up: optimizer state, cuBLAS workspace, scaler state
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -329,7 +329,7 @@ def test_weights_only_refuses_pickled_objects(tmp_path):
         assert "weights_only" in str(e.value)
         assert ("test_checkpoints.Custom" if isinstance(obj, Custom) else "system") in str(e.value)
     # and save_checkpoint itself refuses what would not load back
-    with pytest.raises(TypeError, match="data_state"):
+    with pytest.raises(CheckpointError, match="data_state"):
         save_checkpoint(tmp_path, 2, model=model, optimizer=opt, config=CONFIG, data_state={"x": Custom()})
 
 

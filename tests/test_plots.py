@@ -6,6 +6,7 @@ import matplotlib.image
 import pytest
 
 import memfit
+from memfit.errors import RunError
 from memfit.memory.estimate import CATEGORIES
 from memfit.report import plots
 from memfit.workloads import builtin
@@ -61,7 +62,7 @@ def test_loss_png(tmp_path):
 
 
 def test_loss_needs_a_finite_value(tmp_path):
-    with pytest.raises(ValueError):
+    with pytest.raises(RunError, match="no records with a finite"):
         plots.plot_loss([{"step": 0, "loss": float("inf")}], tmp_path / "x.png")
 
 

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit import Config, ConfigError, Trainer, TrainStep
+from memfit import Config, Trainer
+from memfit.errors import ConfigError
+from memfit.step import TrainStep
 from memfit.strategies.activation_checkpoint import chosen_blocks, find_blocks
 from memfit.workloads import builtin
 

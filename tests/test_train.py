@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file
 
 import memfit
-from memfit import Config, RunError
+from memfit import Config
+from memfit.errors import RunError
 from memfit.cli import main
 from memfit.memory.devices import get_device
 from memfit.runtime import checkpoints as ckpt

@@ -7,6 +7,7 @@ import sys
 
 from memfit import __version__
 from memfit.config import PRECISIONS, Config
+from memfit.errors import ConfigError, PlanError, WorkloadError
 
 
 def _activation_checkpoint_arg(text: str):
@@ -23,7 +24,7 @@ def _options(args) -> dict:
     for item in args.option or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"option {item!r} must be key=value")
+            raise WorkloadError(f"option {item!r} must be key=value")
         opts[key] = int(value) if value.lstrip("-").isdigit() else value
     if args.seq is not None:
         opts["seq"] = args.seq
@@ -44,7 +45,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int,
                    help="samples per forward/backward pass (default: 1, or the smallest the model trains at)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=_PRECISION_HELP + " (default: fp32)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help=_PRECISION_HELP + " (default: the device's: fp32 on a CPU; on a GPU bf16, or fp16 without it)")
     p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg, default="none",
                    help="activation checkpointing: none | all | selective | k (every k-th block) | name,name,... "
                         "(--checkpoint: the old spelling, read until 0.3)")
@@ -55,14 +57,18 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
 
 
-def _config(args) -> Config:
+def _config(args, device=None) -> Config:
+    """The configuration the flags (or --config) describe; without --precision, the device's default."""
+    from memfit.memory.devices import defaults_for, get_device
+
     if args.config:
         text = args.config
         if not text.lstrip().startswith("{"):
             with open(text) as f:
                 text = f.read()
         return Config.from_json(text)
-    return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=args.precision,
+    precision = args.precision or defaults_for(device or get_device("cpu")).precision
+    return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer)
 
@@ -72,7 +78,7 @@ def _check_counts(args, *names: str) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def _smallest(args, run, config: Config):
@@ -96,8 +102,8 @@ def cmd_estimate(args) -> int:
     from memfit.workloads import load_workload
 
     _check_counts(args, "micro_batch", "grad_accum")
-    config = _config(args)
     device = get_device(args.device)
+    config = _config(args, device)
     workload = load_workload(args.workload, **_options(args))
     est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
     if note:
@@ -142,10 +148,10 @@ def cmd_plan(args) -> int:
     _check_counts(args, "global_batch", "micro_batch", "verify_steps")
     device = get_device(args.device)
     if resolve_budget(args.budget, device) < 1:
-        raise ValueError(f"--budget must be more than 0 bytes, got {args.budget!r}")
+        raise PlanError(f"--budget must be more than 0 bytes, got {args.budget!r}")
     if not args.max_micro_batch:
         if args.global_batch is None:
-            raise ValueError("plan needs --global-batch (samples per optimizer step)")
+            raise PlanError("plan needs --global-batch (samples per optimizer step)")
         check_batches(args.global_batch, args.micro_batch)
     workload = load_workload(args.workload, **_options(args))
     fixed = dict(precision=args.precision, micro_batch=args.micro_batch,
@@ -188,7 +194,7 @@ def cmd_calibrate(args) -> int:
 
     profile = calibrate(args.device)
     if profile.problems:  # the profile in use, if any, stays
-        raise ValueError(f"calibration rejected, nothing saved: {'; '.join(profile.problems)}; run it on a quiet machine")
+        raise PlanError(f"calibration rejected, nothing saved: {'; '.join(profile.problems)}; run it on a quiet machine")
     path = save_profile(profile, cpu_key() if args.device == "cpu" else profile.device)
     if args.json:
         print(json.dumps(profile.to_dict()))
@@ -374,14 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="the rows as one JSON list on stdout")
     p.set_defaults(fn=cmd_summary)
+    for p in sub.choices.values():  # --debug anywhere on the line; SUPPRESS keeps `memfit --debug cmd` working
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv
+    debug = False
     try:
         args = build_parser().parse_args(argv)
+        debug = args.debug
         return args.fn(args)
     except KeyboardInterrupt as e:  # a run says which checkpoint it wrote or left intact
         print(f"memfit: {e}" if str(e) else "memfit: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from memfit.config import Config
+from memfit.errors import WorkloadError
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
                                cast_inputs, check_precision, host_side, make_grad_scaler)
 from memfit.torch_internals import grad_scaler_tensors
@@ -32,7 +33,7 @@ class TrainStep:
         with self.device:
             model = workload.model()
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
+            raise WorkloadError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
         self.model = apply_model_strategies(model, config, self.device)
         self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
         self.optimizer_offload = None
@@ -65,7 +66,7 @@ class TrainStep:
             with autocast_context(cfg, self.device), self._offload_hooks():
                 loss = self.workload.loss(model, micro)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError("workload.loss(model, batch) must return a scalar tensor")
+                raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
             self._enter("backward")
             scaled = loss.float() * weight
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()

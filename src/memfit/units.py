@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 import re
 
+from memfit.errors import ConfigError
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -17,14 +19,14 @@ def parse_size(value: int | float | str) -> int:
     """Return a size in bytes. Decimal (GB) and binary (GiB) units are kept distinct on purpose:
     GPU vendors quote decimal GB for some cards and binary for others, and 7% matters here."""
     if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
+        raise ConfigError(f"not a size: {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ValueError(f"a size cannot be negative: {value!r}")
+            raise ConfigError(f"a size cannot be negative: {value!r}")
         return int(value)
     m = _SIZE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"malformed size {value!r}: use bytes or a unit, e.g. 24GiB, 80GB, 512MiB")
+        raise ConfigError(f"malformed size {value!r}: use bytes or a unit, e.g. 24GiB, 80GB, 512MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -33,11 +35,12 @@ def fmt_bytes(n: float) -> str:
     exponent: from 1000 of a unit on, the next unit is used (0.977 GiB), and past EiB digits are grouped."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if round(n) < 1000 or unit == "EiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{fmt_number(n)} {unit}"
+    if round(n) < 1000:
+        return f"{sign}{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if round(n) < 1000 or unit == "EiB":
+            return f"{sign}{fmt_number(n)} {unit}"
 
 
 def fmt_number(x: float, digits: int = 3) -> str:

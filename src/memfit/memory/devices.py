@@ -28,6 +28,8 @@ import os
 import platform
 import re
 
+from memfit.errors import ConfigError
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -303,7 +305,7 @@ def get_device(name: str) -> Device:
         return DEVICES[found]
     known = ", ".join(["cpu", "cuda"] + device_names())
     if why:
-        raise ValueError(f"device {name!r} is not in memfit's catalogue: {why}")
+        raise ConfigError(f"device {name!r} is not in memfit's catalogue: {why}")
     # A suggestion only for a slip of the keyboard; a different card gets the list, not a misleading guess.
     words = re.findall(r"[a-z0-9]+", key)
     close = [k for k in ["cpu", "cuda", *device_names(), *ALIASES] if _one_slip(key, k)]
@@ -314,8 +316,8 @@ def get_device(name: str) -> Device:
                 fixed, _ = _from_spelling(" ".join(words[:i] + [model] + words[i + 1:]))
                 close += [fixed] if fixed else []
     if close:
-        raise ValueError(f"unknown device {name!r} (did you mean {close[0]!r}?); known devices: {known}")
-    raise ValueError(f"unknown device {name!r}: not in memfit's catalogue (`memfit list` shows it); "
+        raise ConfigError(f"unknown device {name!r} (did you mean {close[0]!r}?); known devices: {known}")
+    raise ConfigError(f"unknown device {name!r}: not in memfit's catalogue (`memfit list` shows it); "
                      f"known devices: {known}")
 
 
@@ -339,15 +341,15 @@ def _present_gpu(key: str) -> Device:
     import torch  # deferred: the catalogue itself must not need torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        raise ValueError("no CUDA GPU is present; name a catalogue device instead, e.g. --device h100")
+        raise ConfigError("no CUDA GPU is present; name a catalogue device instead, e.g. --device h100")
     index = 0
     if ":" in key:
         try:
             index = int(key.split(":", 1)[1])
         except ValueError:
-            raise ValueError(f"malformed device {key!r}: use cuda or cuda:N") from None
+            raise ConfigError(f"malformed device {key!r}: use cuda or cuda:N") from None
     if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"no CUDA device {index}: this machine has {torch.cuda.device_count()}")
+        raise ConfigError(f"no CUDA device {index}: this machine has {torch.cuda.device_count()}")
     props = torch.cuda.get_device_properties(index)
     cc = (props.major, props.minor)
     lowered = props.name.lower()

@@ -16,6 +16,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from memfit.memory.estimate import CATEGORIES, Estimate
 from memfit.config import Config
+from memfit.errors import EstimateError, RunError
 from memfit.units import fmt_bytes
 
 SIZE = (11.0, 5.5)        # inches: the memory timeline, 1320 x 660 pixels at DPI
@@ -93,7 +94,7 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
     tl = _from_step_start(estimate.timeline)
     x = list(tl["index"])
     if not x:
-        raise ValueError("the estimate has an empty timeline: nothing to plot")
+        raise EstimateError("the estimate has an empty timeline: nothing to plot")
     totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(len(x))]
     peak_i = max(range(len(x)), key=totals.__getitem__)
     peak = totals[peak_i]
@@ -210,7 +211,7 @@ def plot_loss(records: Iterable[dict], path, title: str | None = None, smoothing
     rows = [r for r in records if r.get("loss") is not None]
     good = [r for r in rows if math.isfinite(float(r["loss"]))]
     if not good:
-        raise ValueError("plot_loss: no records with a finite 'loss'")
+        raise RunError("plot_loss: no records with a finite 'loss'")
     good.sort(key=lambda r: r["step"])
     steps = [r["step"] for r in good]
     loss = [float(r["loss"]) for r in good]

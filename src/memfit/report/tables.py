@@ -103,7 +103,7 @@ def plan_view(plan) -> Group:
     head = Text.assemble(
         ("memfit plan", "bold"), f"  {plan.estimate.workload} · global batch {cfg.global_batch} · {plan.device}"
                                  f" · budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
-        ("chosen: ", "bold"), (_config_line(cfg.to_dict()), "bold cyan"),
+        ("chosen: ", "bold"), (cfg.describe(), "bold cyan"),
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
         f" · step {_fmt_seconds(plan.step_seconds)} · {fmt_number(plan.samples_per_second)} samples/s",
     )
@@ -111,7 +111,7 @@ def plan_view(plan) -> Group:
     for col in ("configuration", "peak", "step", "vs chosen"):
         alts.add_column(col, justify="left" if col == "configuration" else "right")
     for c in plan.alternatives:
-        alts.add_row(_config_line(c.config.to_dict()) + ("" if c.confirmed else " *"), fmt_bytes(c.peak_bytes),
+        alts.add_row(c.config.describe() + ("" if c.confirmed else " *"), fmt_bytes(c.peak_bytes),
                      _fmt_seconds(c.step_seconds), f"{c.step_seconds / plan.step_seconds:.2f}x")
     fams = Table(title="by family", title_justify="left", show_edge=False)
     fams.add_column("family")

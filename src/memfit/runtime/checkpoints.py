@@ -39,6 +39,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from memfit.errors import CheckpointError
+
 FORMAT = "memfit-checkpoint"
 VERSION = 1
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -52,10 +54,6 @@ _TMP_RE = re.compile(r"^\.step-\d+\.pt\..*\.tmp$")
 # "module"; the others are reserved attribute names of their wrappers and are stripped wherever they occur.
 _LEADING_PREFIXES = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded or applied; the message is one line naming the file or the keys."""
 
 
 # --------------------------------------------------------------------------------------------- paths
@@ -232,14 +230,14 @@ def _check_plain(value, what: str, path: str = "") -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
             if not isinstance(k, (str, int)):
-                raise TypeError(f"{what}{path}: key {k!r} is a {type(k).__name__}; only str/int keys can be saved")
+                raise CheckpointError(f"{what}{path}: key {k!r} is a {type(k).__name__}; only str/int keys can be saved")
             _check_plain(v, what, f"{path}[{k!r}]")
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _check_plain(v, what, f"{path}[{i}]")
         return
-    raise TypeError(f"{what}{path} is a {type(value).__name__}; a checkpoint can only hold tensors, dicts, lists, "
+    raise CheckpointError(f"{what}{path} is a {type(value).__name__}; a checkpoint can only hold tensors, dicts, lists, "
                     "ints, floats, strings, bools and None")
 
 
@@ -263,9 +261,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     """
     step = int(step)
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise CheckpointError(f"step must be >= 0, got {step}")
     if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 or None, got {keep}")
+        raise CheckpointError(f"keep must be >= 1 or None, got {keep}")
     if hasattr(config, "to_dict"):
         config = config.to_dict()
     config = dict(config)

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 from memfit.config import Config
-from memfit.memory.devices import get_device
+from memfit.errors import ConfigError, RunError
+from memfit.memory.devices import defaults_for, get_device
+from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
 from memfit.runtime.trainer import Trainer
@@ -37,11 +39,6 @@ from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
 SCHEDULES = ("cosine", "onecycle", "constant")
-
-
-class RunError(Exception):
-    """The run cannot go on (nothing fits, a non-finite loss, a bad resume, a full disk); the message is one
-    line that says which checkpoint is intact."""
 
 
 @dataclasses.dataclass
@@ -85,7 +82,7 @@ def make_scheduler(optimizer, schedule: str, steps: int, warmup: int):
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
                                                    total_steps=steps)
     if schedule not in ("cosine", "constant"):
-        raise ValueError(f"unknown schedule {schedule!r}; choose cosine, onecycle or constant")
+        raise ConfigError(f"unknown schedule {schedule!r}; choose cosine, onecycle or constant")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, steps, warmup))
 
 
@@ -179,9 +176,9 @@ def _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup,
                                ("micro-batch", micro_batch, 1), ("checkpoint_every", checkpoint_every, 1),
                                ("warmup", warmup, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+            raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
     if schedule is not None and schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown schedule {schedule!r}; choose {', '.join(SCHEDULES)}")
 
 
 def _check_resume(path: Path, state: dict, workload: Workload, *, seed, global_batch, steps, schedule, warmup,
@@ -307,19 +304,9 @@ class _Run:
     def _measured_step(self, batch, measure: bool) -> tuple[float, int | None]:
         """One step; its peak is measured on a GPU, and on a CPU under a budget or when `measure` (a live-bytes
         counter costs a few microseconds an op, so a CPU run without a budget measures only its first steps)."""
-        tracker = self.tracker or (LiveBytes("cpu", detail=False) if measure and self.device == "cpu" else None)
-        if tracker is not None:
-            tracker.track(self.trainer.engine.state_tensors())
-            tracker.peak = tracker.current
-            with tracker:
-                loss = self.trainer.engine(batch)
-            if tracker is not self.tracker:
-                tracker.close()
-            return float(loss), tracker.peak
-        if self.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-            loss = float(self.trainer.engine(batch))
-            return loss, torch.cuda.max_memory_allocated()
+        if self.tracker is not None or measure or self.device.startswith("cuda"):
+            loss, peak = measure_step(self.trainer.engine, batch, self.tracker)
+            return float(loss), peak.bytes
         return float(self.trainer.engine(batch)), None
 
     def step(self, step: int, events: list, measure: bool = False) -> tuple[float, int | None]:
@@ -500,7 +487,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
         chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision)
         config, start = chosen.config, from_plan(chosen)
     else:
-        config = config or Config(micro_batch=micro_batch, precision=precision or "fp32")
+        config = config or Config(micro_batch=micro_batch, precision=precision or defaults_for(dev).precision)
         config = config.replace(grad_accum=math.ceil(global_batch / config.micro_batch))
         start = predict(workload, config, dev)
     predictions[config] = start

@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import default_collate
 
 from memfit.config import Config
+from memfit.errors import ConfigError, WorkloadError
 from memfit.step import TrainStep
 from memfit.strategies import ActivationOffload
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
@@ -21,7 +22,7 @@ def dataset_batch(data, seed: int, step: int, global_batch: int) -> Batch:
     each epoch. The position is a function of the step, so resuming needs nothing but the step number."""
     n = len(data)
     if n == 0:
-        raise ValueError("workload.data is empty")
+        raise WorkloadError("workload.data is empty")
     indices, orders, start = [], {}, step * global_batch
     for position in range(start, start + global_batch):
         epoch, offset = divmod(position, n)
@@ -53,7 +54,7 @@ class Trainer:
         is refused."""
         old = self.config
         if (config.precision, config.offload_optimizer) != (old.precision, old.offload_optimizer):
-            raise ValueError("a running trainer cannot change precision or optimizer offload")
+            raise ConfigError("a running trainer cannot change precision or optimizer offload")
         if config.activation_checkpoint != old.activation_checkpoint:
             names = chosen_blocks(self.engine.model, config.activation_checkpoint)
             apply_checkpointing(self.engine.model, names, selective=config.activation_checkpoint == "selective")

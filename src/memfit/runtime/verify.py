@@ -6,7 +6,8 @@ import time
 
 import torch
 
-from memfit.memory.tracker import LiveBytes
+from memfit.errors import ConfigError
+from memfit.memory.measure import measure_step
 from memfit.planner.search import Plan
 from memfit.runtime.trainer import Trainer
 from memfit.workload import Workload
@@ -14,32 +15,29 @@ from memfit.workload import Workload
 
 def verify(workload: Workload, plan: Plan, steps: int = 3) -> dict:
     if plan.device != "cpu" and not plan.device.startswith("cuda"):
-        raise ValueError(f"--verify runs the plan here; this machine is not a {plan.device} "
-                         f"(plan for --device cpu or cuda to verify)")
+        raise ConfigError(f"--verify runs the plan here; this machine is not a {plan.device} "
+                          f"(plan for --device cpu or cuda to verify)")
     device = "cpu" if plan.device == "cpu" else plan.device
     trainer = Trainer(workload, plan.config, device=device)
     trainer.step()  # first step: optimizer state, allocator warm-up
     times, peak = [], 0
     if device == "cpu":  # the peak from a step of its own: the live-bytes counter slows every op down
-        tracker = LiveBytes("cpu", detail=False)
-        tracker.track(trainer.engine.state_tensors())
-        with tracker:
-            trainer.step()
-        tracker.close()
-        peak = tracker.peak
+        peak = measure_step(trainer.engine, trainer.batch())[1].bytes
+        trainer.step_count += 1
     for _ in range(max(1, steps)):
         if device == "cpu":
             start = time.perf_counter()
             trainer.step()
             times.append(time.perf_counter() - start)
         else:
-            torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             start = time.perf_counter()
-            trainer.step()
+            batch = trainer.batch()
+            _, measured = measure_step(trainer.engine, batch)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-            peak = max(peak, torch.cuda.max_memory_reserved())
+            trainer.step_count += 1
+            peak = max(peak, measured.reserved)
     measured = statistics.median(times)
     return dict(predicted_peak_bytes=plan.peak_bytes, measured_peak_bytes=peak,
                 predicted_step_seconds=plan.step_seconds, measured_step_seconds=measured,
