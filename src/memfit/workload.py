@@ -17,13 +17,24 @@ class Workload:
     """One training job, as four factories. memfit calls them itself, on the (possibly fake) device it
     chooses, so that the same description can be estimated, planned and run.
 
-    model      () -> nn.Module, built under the target device context.
-    batch      n -> a batch of n samples (tensor / tuple / list / dict of tensors, samples on dim 0).
-    loss       (model, batch) -> scalar loss, mean-reduced over the samples of the batch.
-    optimizer  params -> torch.optim.Optimizer.
-    data       optional map-style `torch.utils.data.Dataset`: a run then draws its global batches from it
-               (a seeded shuffle per epoch, items collated with torch's default_collate) instead of `batch`;
-               `batch` still describes a batch's shape to the estimator.
+    Args:
+        model: ``() -> nn.Module``, called under the target device context (fake, meta or real).
+        batch: ``n -> batch`` of n samples: a tensor, or a tuple / list / dict of tensors (nested), samples
+            along dim 0. A run seeds torch's RNG per step before calling it, so a resumed run sees the same data.
+        loss: ``(model, batch) -> scalar tensor``, mean-reduced over the samples of the batch: memfit weights
+            each micro-batch's loss by its share of the global batch, so accumulation keeps the math.
+        optimizer: ``params -> torch.optim.Optimizer`` (default: AdamW, lr 1e-3).
+        name: what tables, run folders and checkpoints call the job; a resume checks it.
+        data: optional map-style ``torch.utils.data.Dataset``: a run then draws its global batches from it
+            (a seeded shuffle per epoch, items collated with torch's ``default_collate``) instead of
+            ``batch``; ``batch`` still gives a batch's shape to the estimator.
+
+    Example::
+
+        wl = Workload(model=lambda: nn.Linear(32, 10),
+                      batch=lambda n: (torch.randn(n, 32), torch.randint(0, 10, (n,))),
+                      loss=lambda model, b: F.cross_entropy(model(b[0]), b[1]))
+        memfit.estimate(wl, Config(micro_batch=64)).peak_bytes
     """
 
     model: Callable[[], torch.nn.Module]

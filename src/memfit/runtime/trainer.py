@@ -33,11 +33,26 @@ def dataset_batch(data, seed: int, step: int, global_batch: int) -> Batch:
 
 
 class Trainer:
-    """Builds the model and optimizer for `config` on `device`, applies the strategies, and steps.
+    """Builds the model and optimizer for `config` on `device`, applies the strategies, and steps: the one
+    public way to run the training math (`memfit.train` drives one; `TrainStep` underneath is internal).
 
     `step(batch=None)` draws the global batch (micro_batch * grad_accum samples) from `workload.batch`
     with torch's RNG seeded from (seed, step) — leaving the model's own RNG stream (dropout) untouched —
     and returns the mean loss as a float.
+
+    Args:
+        workload: the job (`Workload`).
+        config: how a step is executed (`Config`); `reconfigure` changes the micro-batch and activation
+            checkpointing between steps.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        seed: seeds the initial weights and, with the step number, each step's data.
+        global_batch: samples per optimizer step when it is not ``config.global_batch`` (a run whose
+            micro-batch does not divide it).
+
+    Example::
+
+        trainer = Trainer(workload, Config(micro_batch=16, grad_accum=4, activation_checkpoint="all"))
+        loss = trainer.step()   # one optimizer step over 64 samples
     """
 
     def __init__(self, workload: Workload, config: Config, device: str | torch.device = "cpu", seed: int = 0,
