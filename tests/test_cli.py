@@ -304,7 +304,7 @@ def test_every_option_of_every_command_has_help():
 
 def test_list_shows_the_builtin_workloads_and_the_gpu_catalogue(capfd):
     from memfit.memory.devices import DEVICES, get_device
-    from memfit.workloads import BUILTIN_NAMES, builtin
+    from memfit.workloads import BUILTIN_NAMES
 
     code, out, err = _run(capfd, "list", "--json")
     assert code == 0, err
