@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from memfit.errors import EstimateError
 from memfit.memory.allocator import CachingAllocator, rounded, segment_size, simulate
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -21,7 +22,7 @@ def test_rounding_to_512_bytes(nbytes, expected):
 
 
 def test_negative_size_is_rejected():
-    with pytest.raises(ValueError):
+    with pytest.raises(EstimateError, match="negative allocation size"):
         rounded(-1)
 
 
@@ -164,9 +165,9 @@ def test_zero_byte_requests_take_no_block():
 def test_double_malloc_and_unknown_free_are_errors():
     a = CachingAllocator()
     a.malloc("x", 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(EstimateError, match="already live"):
         a.malloc("x", 1)
-    with pytest.raises(KeyError):
+    with pytest.raises(EstimateError, match="free of unknown allocation"):
         a.free("nope")
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Hashable, Iterable
 
+from memfit.errors import EstimateError
+
 MIN_BLOCK = 512              # kMinBlockSize
 SMALL_SIZE = 1 << 20         # kSmallSize: largest request served by the small pool
 SMALL_SEGMENT = 2 << 20      # kSmallBuffer
@@ -40,7 +42,7 @@ def rounded(nbytes: int) -> int:
     """Size of the block the allocator hands out for a request of `nbytes` (before any
     no-split remainder is added). 0 bytes takes no block."""
     if nbytes < 0:
-        raise ValueError(f"negative allocation size: {nbytes}")
+        raise EstimateError(f"negative allocation size: {nbytes}")
     if nbytes == 0:
         return 0
     return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
@@ -132,7 +134,7 @@ class CachingAllocator:
 
     def malloc(self, key: Hashable, nbytes: int) -> None:
         if key in self._live:
-            raise ValueError(f"allocation {key!r} is already live")
+            raise EstimateError(f"allocation {key!r} is already live")
         size = rounded(nbytes)
         if size == 0:
             self._live[key] = None
@@ -151,7 +153,7 @@ class CachingAllocator:
         try:
             block = self._live.pop(key)
         except KeyError:
-            raise KeyError(f"free of unknown allocation {key!r}") from None
+            raise EstimateError(f"free of unknown allocation {key!r}") from None
         if block is None:
             return
         self.allocated -= block.size
