@@ -496,7 +496,8 @@ def test_metrics_report_and_plots(tmp_path):
     assert report == res.report
     for key in ("predicted_peak_bytes", "measured_peak_bytes", "predicted_step_seconds", "measured_step_seconds"):
         assert isinstance(report[key], (int, float)) and report[key] > 0, key
-    assert 0.5 < report["measured_peak_bytes"] / report["predicted_peak_bytes"] < 2
+    # on a CPU both count live tensor bytes of the same steady-state step: byte for byte
+    assert report["measured_peak_bytes"] == report["predicted_peak_bytes"]
     assert report["steps"] == 6 and report["oom_recoveries"] == 0
     assert report["deterministic"] is False and report["threads"] == torch.get_num_threads()
     # on a CPU the measured peak counts live tensors, not the process: both are in the report, labelled
