@@ -53,7 +53,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import memfit  # noqa: E402
 from memfit.config import Config, ConfigError  # noqa: E402
 from memfit.memory.devices import get_device  # noqa: E402
-from memfit.memory.estimate import estimate, run_isolated_many  # noqa: E402
+from memfit.memory.estimate import estimate, probe  # noqa: E402
+from memfit.memory.isolate import run_isolated_many  # noqa: E402
 from memfit.planner import costmodel  # noqa: E402
 from memfit.planner.costmodel import KINDS, OpTable, profile_for, step_seconds  # noqa: E402
 from memfit.planner.search import MARGIN, plan  # noqa: E402
@@ -214,10 +215,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else float("nan")
 
 
-def predicted_parts(profile, est) -> dict:
+def predicted_parts(profile, ops) -> dict:
     """The step-time model's pieces for one full estimate: matmul/bandwidth-bound busy time and dispatch
     overhead, forward+backward vs optimizer, op counts by kind."""
-    table = OpTable(est.ops)
+    table = OpTable(ops)
     out = {}
     for label, phases in (("fwd_bwd", ("forward", "backward")), ("opt", ("optimizer", "setup"))):
         sel = table.mask(phases) & (table.kind <= KINDS["rng"])
@@ -233,8 +234,8 @@ def predicted_parts(profile, est) -> dict:
     return out
 
 
-def _estimate(wl, cfg):
-    return estimate(wl, cfg, "cpu", isolate=False)
+def _probe(wl, cfg):
+    return probe(wl, cfg, "cpu", isolate=False)
 
 
 def measure_config(wl, cfg: Config, G: int, warmup: int, steps: int, max_foreign: float) -> dict:
@@ -303,20 +304,21 @@ def run_model(name: str, desc: str, wl, args, profile) -> dict:
     if key(p.config) not in {key(c) for c in grid}:
         grid.append(p.config)
     t0 = time.perf_counter()
-    results = run_isolated_many([functools.partial(_estimate, wl, c) for c in grid], workers=2)
+    results = run_isolated_many([functools.partial(_probe, wl, c) for c in grid], workers=2)
     est_s = time.perf_counter() - t0
     rows = []
-    for cfg, (kind, est) in zip(grid, results):
+    for cfg, (kind, value) in zip(grid, results):
         row = dict(key=key(cfg), config=cfg.to_dict())
         if kind != "ok":
-            if isinstance(est, ConfigError):
-                row["error"] = str(est)
+            if isinstance(value, ConfigError):
+                row["error"] = str(value)
                 rows.append(row)
                 continue
-            raise est
+            raise value
+        est = value.estimate
         row.update(est_peak=est.peak_bytes, fits=est.peak_bytes <= usable, fits_budget=est.peak_bytes <= budget,
-                   predicted_s=step_seconds(profile, est), flops=est.flops, recompute_flops=est.recompute_flops,
-                   parts=predicted_parts(profile, est))
+                   predicted_s=step_seconds(profile, value.ops), flops=est.flops, recompute_flops=est.recompute_flops,
+                   parts=predicted_parts(profile, value.ops))
         rows.append(row)
     by_key = {r["key"]: r for r in rows}
     print(f"{len(grid)} full estimates in {est_s:.0f} s; "

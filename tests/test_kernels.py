@@ -93,7 +93,7 @@ def test_lstm_fake_trace_equals_real_trace(precision, size):
     fake = memfit.estimate(wl, cfg)
     assert fake.method == "fake"
     torch.manual_seed(0)
-    assert fake.peak_bytes == _trace(wl, cfg, get_device("cpu"), fake=False).peak_bytes
+    assert fake.peak_bytes == _trace(wl, cfg, get_device("cpu"), fake=False).estimate.peak_bytes
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -16,6 +16,19 @@ class WorkloadError(MemfitError):
     """The user's workload could not be loaded or does not behave as the contract says."""
 
 
+class MicroBatchError(WorkloadError):
+    """The model cannot train at this micro-batch, though it trains at a larger one: batch statistics of a
+    single sample (BatchNorm whose features reach 1x1, any BatchNorm1d) are the common case."""
+
+    def __init__(self, workload: str, micro_batch: int, smallest: int, reason: str):
+        self.workload, self.micro_batch, self.smallest, self.reason = workload, micro_batch, smallest, reason
+        super().__init__(f"{workload} cannot train at micro-batch {micro_batch} ({reason}); the smallest "
+                         f"micro-batch it trains at is {smallest}")
+
+    def __reduce__(self):  # crosses from a tracing child to the parent by pickle
+        return MicroBatchError, (self.workload, self.micro_batch, self.smallest, self.reason)
+
+
 class EstimateError(MemfitError):
     """The step could not be traced, measured or extrapolated."""
 

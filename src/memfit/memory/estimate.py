@@ -1,56 +1,40 @@
 """`estimate`: the peak memory of one steady-state training step, traced on fake tensors.
 
 How: build the model and optimizer under `FakeTensorMode` (no data, no real memory), run one step so the
-optimizer state exists, then run the measured step with a `LiveBytes` counter active. Everything live at the
-peak is labelled (parameters, gradients, optimizer state, inputs, activations saved for backward,
-temporaries). For a GPU target the same trace is replayed through the CUDA caching-allocator model.
-Where fake tensors cannot follow the model (data-dependent shapes, `.item()`), real CPU steps at small
+optimizer state exists, then run the measured step with a `LiveBytes` counter and an `OpRecorder` active.
+Everything live at the peak is labelled (parameters, gradients, optimizer state, inputs, activations saved
+for backward, temporaries). For a GPU target the same trace is replayed through the CUDA caching-allocator
+model. Where fake tensors cannot follow the model (data-dependent shapes, `.item()`), real CPU steps at small
 micro-batches are measured and extrapolated, and the estimate says so.
+
+`estimate` returns the user's result; the planner reads `Probe`s (`probe`, `probe_pair`), which add the
+step's op trace.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
 import gc
 import os
-import pickle
-import signal
-import tempfile
-import time
-from typing import Callable
 
 import torch
 
-from memfit.config import Config, ConfigError
+from memfit.config import Config
+from memfit.errors import ConfigError, EstimateError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
-from memfit.memory.devices import Device, get_device
+from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quiet_fake_errors
-from memfit.memory.tracker import LiveBytes, ModuleScope
+from memfit.memory.isolate import run_isolated
+from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
+                                   Phase)
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.workload import Workload, WorkloadError, map_tensors, move_batch, tensors_of
+from memfit.torch_internals import grad_scaler_tensors, storage_key
+from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations", "temporaries")
-
-
-class EstimateError(Exception):
-    """The step could not be traced, measured or extrapolated; the message says why."""
-
-
-class MicroBatchError(WorkloadError):
-    """The model cannot train at this micro-batch, though it trains at a larger one: batch statistics of a
-    single sample (BatchNorm whose features reach 1x1, any BatchNorm1d) are the common case."""
-
-    def __init__(self, workload: str, micro_batch: int, smallest: int, reason: str):
-        self.workload, self.micro_batch, self.smallest, self.reason = workload, micro_batch, smallest, reason
-        super().__init__(f"{workload} cannot train at micro-batch {micro_batch} ({reason}); the smallest "
-                         f"micro-batch it trains at is {smallest}")
-
-    def __reduce__(self):  # crosses from a tracing child to the parent by pickle
-        return MicroBatchError, (self.workload, self.micro_batch, self.smallest, self.reason)
-
+__all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchError", "MicroBatchLine", "Phase",
+           "Probe", "estimate", "first_line", "probe", "probe_pair", "state_bytes"]
 
 # The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
 # give batch statistics more than one value per channel).
@@ -70,9 +54,9 @@ class Estimate:
     device: str
     method: str                 # "fake" (traced) | "measured" | "extrapolated" (real CPU steps, fallback)
     peak_bytes: int             # peak of live tensor bytes on the device during one step, inputs included
-    breakdown: dict             # category -> bytes live at the peak
-    model_state_bytes: dict     # category -> bytes at rest after the step (parameters, gradients, optimizer_state)
-    peak_phase: str             # forward | backward | optimizer
+    breakdown: dict             # Category -> bytes live at the peak
+    model_state_bytes: dict     # Category -> bytes at rest after the step (parameters, gradients, optimizer_state)
+    peak_phase: Phase           # forward | backward | optimizer
     modules: list               # [(module, bytes)] activations + temporaries live at the peak, by creator
     top_tensors: list           # [dict] largest storages live at the peak
     timeline: dict              # {"index": [...], "phase": [...], category: [...]}: bytes by category over the step
@@ -87,9 +71,8 @@ class Estimate:
     device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
     host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
-    phase_peaks: dict = dataclasses.field(default_factory=dict)  # phase -> highest live bytes in it
+    phase_peaks: dict = dataclasses.field(default_factory=dict)  # Phase -> highest live bytes in it
     blocks: list = dataclasses.field(default_factory=list)       # the model's repeated blocks (checkpointing units)
-    ops: dict = dataclasses.field(default_factory=dict)  # per-op records: the step-time model's input
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -97,24 +80,70 @@ class Estimate:
         return None if self.device_total_bytes is None else self.device_total_bytes - used
 
     def to_dict(self) -> dict:
-        """Plain data for JSON, without the per-op records (tens of thousands of numbers at 7B)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ops"}
+        """Plain data for JSON."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["headroom_bytes"] = self.headroom_bytes
         return d
 
 
+@dataclasses.dataclass
+class Probe:
+    """One traced step as the planner reads it: the memory figures and the ops the step-time model prices."""
+    estimate: Estimate
+    ops: OpTrace
+
+    @property
+    def micro_batch(self) -> int:
+        return self.estimate.config["micro_batch"]
+
+
+class MicroBatchLine:
+    """Memory and work of a step are linear in the micro-batch: every activation, input and op grows with
+    the samples, while weights, gradients and optimizer state do not. Two steps at micro-batches m1 < m2
+    therefore predict any other; this is the one place that straight line is drawn."""
+
+    def __init__(self, m1: int, m2: int):
+        self.m1, self.m2 = m1, m2
+
+    def at(self, a, b, m: int):
+        """The value at micro-batch m of a quantity that is `a` at m1 and `b` at m2 (numbers or tensors)."""
+        return a + (b - a) * (m - self.m1) / (self.m2 - self.m1)
+
+    def per_sample(self, a, b):
+        return (b - a) / (self.m2 - self.m1)
+
+
 def estimate(workload: Workload, config: Config | None = None, device: str | Device = "cpu",
              isolate: bool = True, **config_fields) -> Estimate:
-    """Peak memory of one steady-state `TrainStep` call for `config` on `device` (a catalogue name).
+    """Peak memory of one steady-state `TrainStep` call for `config` on `device`.
 
-    isolate: trace in a forked child so that a C++ abort inside PyTorch becomes an EstimateError.
+    Args:
+        workload: the model, batches, loss and optimizer (`memfit.Workload`).
+        config: micro-batch, accumulation, precision, activation checkpointing, offload. Without one, the
+            defaults of `Config` in the device's default precision (`devices.defaults_for`).
+        device: a catalogue name ("h100", "cpu", ...) or a `Device`.
+        isolate: trace in a forked child so that a C++ abort inside PyTorch becomes an EstimateError.
+        config_fields: changes to `config` (e.g. ``micro_batch=8``).
+
+    Example::
+
+        est = memfit.estimate(workload, Config(micro_batch=8, precision="bf16"), device="a100")
+        print(est.peak_bytes, est.breakdown["activations"])
     """
+    return probe(workload, config, device, isolate, **config_fields).estimate
+
+
+def probe(workload: Workload, config: Config | None = None, device: str | Device = "cpu", isolate: bool = True,
+          **config_fields) -> Probe:
+    """`estimate`, with the step's op trace: what the planner prices a configuration from."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    if config is None and "precision" not in config_fields:
+        config_fields["precision"] = defaults_for(dev).precision
     config = config or Config()
     if config_fields:
         config = config.replace(**config_fields)
-    dev = device if isinstance(device, Device) else get_device(device)
     check_precision(config, dev.name, dev.bf16)
-    run = _run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
+    run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
         return run(lambda: _trace(workload, config, dev, fake=True))
     except (WorkloadError, ConfigError):
@@ -137,10 +166,10 @@ def _traces_at(run, workload: Workload, config: Config, dev: Device, micro_batch
         return False
 
 
-def probe_traces(workload: Workload, config: Config, dev: Device) -> tuple[list[Estimate], str | None]:
+def probe_pair(workload: Workload, config: Config, dev: Device) -> tuple[list[Probe], str | None]:
     """The planner's two probes (one build, primed state, a step at each of PROBES); for a model that cannot
     train at micro-batch 1, a fresh build probed at PROBES_WITHOUT_1, with the reason 1 failed (else None).
-    A failure at both is reported as the first one."""
+    A failure at both is reported as the first one. Runs in this process (the planner forks)."""
     try:
         return _traces(workload, config, dev, True, list(PROBES)), None
     except (WorkloadError, ConfigError, EstimateError):
@@ -162,8 +191,8 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
         with SameModeDeepcopy():
             step = TrainStep(workload, config, "cpu")
         step.prime()
-        host = {t.untyped_storage()._cdata for t in step.host_tensors()}
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in step.state_tensors()}
+        host = {storage_key(t) for t in step.host_tensors()}
+        storages = {storage_key(t): t.untyped_storage().nbytes() for t in step.state_tensors()}
     total = sum(n for address, n in storages.items() if address not in host)
     if dev.kind == "cuda":
         total += dev.context_bytes + dev.cublas_workspace_bytes
@@ -172,11 +201,11 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
 
 # ------------------------------------------------------------------------------------------- the trace
 
-def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Estimate:
+def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:
     return _traces(workload, config, dev, fake, [config.global_batch])[0]
 
 
-def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int]) -> list[Estimate]:
+def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int]) -> list[Probe]:
     """Build once, prime the optimizer state, then measure one step per global batch size in `sizes`
     (a size other than config.global_batch runs as one micro-batch of that size: the planner's probes)."""
     cuda_target = dev.kind == "cuda"
@@ -200,24 +229,25 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()
         for size in sizes:
-            est = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
-            est.method = "fake" if fake else "measured"
+            p = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
+            p.estimate.method = "fake" if fake else "measured"
             if sizes != [config.global_batch]:
-                est.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
-            results.append(est)
+                p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
+            results.append(p)
     return results
 
 
-def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Estimate:
-    """One step of `step` on `batch` with the counter running; everything live is labelled afterwards."""
+def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Probe:
+    """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards."""
     cuda_target = dev.kind == "cuda"
     move = step.move
     tracker = LiveBytes("cpu", host_apart=cuda_target)
+    recorder = OpRecorder()
     if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
         tracker.track(step.host_tensors(), host=True)
-        tracker.exclude.update(t.untyped_storage()._cdata for t in tensors_of(batch))
+        tracker.exclude.update(storage_key(t) for t in tensors_of(batch))
     else:
-        tracker.track(tensors_of(batch), category="inputs")
+        tracker.track(tensors_of(batch), category=Category.INPUTS)
     tracker.track(_preexisting(step, mode))
     saved: set[int] = set()
 
@@ -225,30 +255,31 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
         saved.add(tracker.uid(t))
         return t
 
-    step.on_phase = tracker.mark
+    def on_phase(phase: str) -> None:
+        tracker.mark(phase)
+        recorder.mark(phase)
+
+    step.on_phase = on_phase
     step.move = lambda b, d: _tag(tracker, move(b, d))
-    scope = ModuleScope(step.model, tracker)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+    scope = ModuleScope(step.model, tracker, recorder)
+    try:  # the recorder on top: it sees each op as the step issues it, before the counter does
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker, recorder:
             step(batch)
     finally:
         scope.remove()
         tracker.close()
         step.move, step.on_phase = move, (lambda phase: None)
     labels = _labels(step, tracker, saved)
-    model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c)
-                   for c in ("parameters", "gradients", "optimizer_state")}
+    model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c) for c in MODEL_STATE}
     n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
-    est = _summarise(workload, step.config, dev, tracker, labels, model_state, n_params, notes)
-    est.moved_bytes = step.moved_bytes
+    est = _summarise(workload, step.config, dev, tracker, recorder, labels, model_state, n_params, notes)
+    est.moved_bytes = recorder.trace.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
-    est.ops = {"flops": tracker.op_flops, "bytes": tracker.op_bytes, "alloc": tracker.op_alloc,
-               "kind": tracker.op_kind, "phase": tracker.op_phase, "name": tracker.op_name}
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)
     if cuda_target:
         _add_cuda_figures(est, tracker, dev)
-    return est
+    return Probe(est, recorder.trace)
 
 
 def _copy_to_device(batch, device):
@@ -256,7 +287,7 @@ def _copy_to_device(batch, device):
 
 
 def _tag(tracker: LiveBytes, batch):
-    tracker.tag(tensors_of(batch), "inputs")
+    tracker.tag(tensors_of(batch), Category.INPUTS)
     return batch
 
 
@@ -277,9 +308,9 @@ def _preexisting(step: TrainStep, mode) -> list[torch.Tensor]:
     return step.state_tensors()
 
 
-def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, str]:
+def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, Category]:
     """Category of every storage seen; earlier rules win (a weight saved for backward is a parameter)."""
-    labels: dict[int, str] = {}
+    labels: dict[int, Category] = {}
 
     def put(tensors, category):
         for t in tensors:
@@ -290,28 +321,29 @@ def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, s
     for key, info in tracker.infos.items():
         if info.category:
             labels[key] = info.category
-    put(step.model.parameters(), "parameters")
-    put(step.model.buffers(), "parameters")
-    put([p.grad for p in step.model.parameters() if p.grad is not None], "gradients")
-    put([t for s in step.optimizer.state.values() for t in tensors_of(dict(s))], "optimizer_state")
+    put(step.model.parameters(), Category.PARAMETERS)
+    put(step.model.buffers(), Category.PARAMETERS)
+    put([p.grad for p in step.model.parameters() if p.grad is not None], Category.GRADIENTS)
+    put([t for s in step.optimizer.state.values() for t in tensors_of(dict(s))], Category.OPTIMIZER_STATE)
     if step.optimizer_offload is not None:  # the fp32 master weights are optimizer state, as in ZeRO
-        put([m.grad for m in step.optimizer_offload.master if m.grad is not None], "gradients")
-        put(step.optimizer_offload.master, "optimizer_state")
-    if step.scaler is not None and step.scaler._scale is not None:
-        put([step.scaler._scale, step.scaler._growth_tracker], "optimizer_state")
+        put([m.grad for m in step.optimizer_offload.master if m.grad is not None], Category.GRADIENTS)
+        put(step.optimizer_offload.master, Category.OPTIMIZER_STATE)
+    if step.scaler is not None:
+        put(grad_scaler_tensors(step.scaler), Category.OPTIMIZER_STATE)
     for key in tracker.infos:
-        labels.setdefault(key, "activations" if key in saved else "temporaries")
+        labels.setdefault(key, Category.ACTIVATIONS if key in saved else Category.TEMPORARIES)
     return labels
 
 
-def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, n_params, notes) -> Estimate:
+def _summarise(workload, config, dev, tracker: LiveBytes, recorder: OpRecorder, labels, model_state, n_params,
+               notes) -> Estimate:
     live = tracker.live_at_peak()
     breakdown = dict.fromkeys(CATEGORIES, 0)
     by_module: dict[str, int] = {}
     for key, nbytes in live.items():
         cat = labels[key]
         breakdown[cat] += nbytes
-        if cat in ("activations", "temporaries"):
+        if cat in (Category.ACTIVATIONS, Category.TEMPORARIES):
             mod = tracker.infos[key].module
             by_module[mod] = by_module.get(mod, 0) + nbytes
     top = sorted(live, key=live.get, reverse=True)[:12]
@@ -320,7 +352,7 @@ def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, n
                    for k in top]
     for t in top_tensors:
         t["shape"] = list(t["shape"])
-    peak_phase = "setup"
+    peak_phase = Phase.SETUP
     for index, phase in tracker.marks:
         if index <= tracker.peak_index:
             peak_phase = phase
@@ -328,20 +360,20 @@ def _summarise(workload, config, dev, tracker: LiveBytes, labels, model_state, n
         workload=workload.name, config=config.to_dict(), device=dev.name, method="fake",
         peak_bytes=tracker.peak, breakdown=breakdown, model_state_bytes=model_state, peak_phase=peak_phase,
         modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:20], top_tensors=top_tensors,
-        timeline=_timeline(tracker, labels), flops=sum(tracker.flops_by_module.values()),
-        recompute_flops=tracker.recompute_flops, module_flops=dict(tracker.flops_by_module),
+        timeline=_timeline(tracker, labels), flops=sum(recorder.flops_by_module.values()),
+        recompute_flops=recorder.recompute_flops, module_flops=dict(recorder.flops_by_module),
         parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes,
     )
 
 
-def _timeline(tracker: LiveBytes, labels: dict[int, str], points: int = 1500) -> dict:
+def _timeline(tracker: LiveBytes, labels: dict[int, Category], points: int = 1500) -> dict:
     """Bytes by category after each event, thinned to about `points` samples (the peak always kept)."""
     events = tracker.events
     stride = max(1, len(events) // points)
     totals = dict.fromkeys(CATEGORIES, 0)
     out: dict[str, list] = {"index": [], "phase": [], **{c: [] for c in CATEGORIES}}
     marks = dict(tracker.marks)
-    phase = "setup"
+    phase = Phase.SETUP
     for i, (key, delta) in enumerate(events):
         phase = marks.get(i, phase)
         totals[labels[key]] += delta
@@ -365,11 +397,12 @@ def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
 
 # ------------------------------------------------------------------------------------------- fallback
 
-def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Estimate:
+def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Probe:
     """Fake tensors could not follow the step: measure real CPU steps instead. Small micro-batches are
     measured as asked. Larger ones are first measured at a quarter and a half of the size; if the straight
     line through those predicts a step that fits comfortably in free host memory, the real size is measured
-    too (data-dependent models are not linear: a top-2 MoE was 7% off extrapolated), else the line is used."""
+    too (data-dependent models are not linear: a top-2 MoE was 7% off extrapolated), else the line is used.
+    The op trace kept is the largest measured step's."""
     m = config.micro_batch
     try:
         if m <= 8:
@@ -377,26 +410,26 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
         else:
             small = [m // 4, m // 2]
             points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
-            (m1, e1), (m2, e2) = zip(small, points)
-            predicted = e2.peak_bytes + (e2.peak_bytes - e1.peak_bytes) * (m - m2) / (m2 - m1)
+            line = MicroBatchLine(*small)
+            predicted = line.at(points[0].estimate.peak_bytes, points[1].estimate.peak_bytes, m)
             if predicted < 0.5 * _free_host_bytes():
                 points, small = [_trace(workload, config, dev, fake=False)], [m]
     except ConfigError:
         raise
     except Exception as e:
         raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
-    est = points[-1]
+    est = points[-1].estimate
     why = f"fake tensors could not follow this step ({reason})"
     if len(points) == 1:
         est.method = "measured"
         est.notes.insert(0, f"{why}; measured a real CPU step at micro-batch {config.micro_batch}; "
                             "data-dependent memory may differ on other data")
-        return est
-    (m1, e1), (m2, e2) = zip(small, points)
-    scale = (config.micro_batch - m2) / (m2 - m1)
+        return points[-1]
+    line = MicroBatchLine(*small)
+    e1, e2 = points[0].estimate, est
 
     def extrapolate(a: int, b: int) -> int:
-        return int(round(b + (b - a) * scale))
+        return int(round(line.at(a, b, m)))
 
     est.config = config.to_dict()
     est.method = "extrapolated"
@@ -407,75 +440,10 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> E
     for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes"):
         if getattr(est, field) is not None:
             setattr(est, field, extrapolate(getattr(e1, field), getattr(e2, field)))
-    est.notes.insert(0, f"{why}; measured real CPU steps at micro-batch {m1} and {m2} and extrapolated "
+    est.notes.insert(0, f"{why}; measured real CPU steps at micro-batch {line.m1} and {line.m2} and extrapolated "
                         f"linearly to {config.micro_batch}; data-dependent memory may differ on other data")
-    return est
+    return points[-1]
 
 
 def _free_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# ------------------------------------------------------------------------------------------- isolation
-
-def _run_isolated(fn: Callable[[], Estimate]) -> Estimate:
-    """Run `fn` in a forked child and return its result; a crash of the child becomes an EstimateError."""
-    kind, value = run_isolated_many([fn], workers=1)[0]
-    if kind == "error":
-        raise value
-    return value
-
-
-def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[tuple[str, object]]:
-    """Run each fn in its own forked child, `workers` at a time (fake tracing is single-threaded Python,
-    so children use the cores in parallel). Returns ("ok", result) or ("error", exception) per fn."""
-    workers = workers or os.cpu_count() or 1
-    results: list = [None] * len(fns)
-    running: dict[int, tuple[int, str]] = {}
-    with tempfile.TemporaryDirectory(prefix="memfit-") as tmp:
-        pending = list(enumerate(fns))
-        while pending or running:
-            while pending and len(running) < workers:
-                i, fn = pending.pop(0)
-                path = os.path.join(tmp, f"{i}.pkl")
-                pid = os.fork()
-                if pid == 0:
-                    _child(fn, path)
-                running[pid] = (i, path)
-            pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
-            i, path = running.pop(pid)
-            if os.WIFSIGNALED(status):
-                sig = signal.Signals(os.WTERMSIG(status)).name
-                hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""
-                results[i] = ("error", EstimateError(f"PyTorch crashed with {sig}{hint} while tracing the training step"))
-                continue
-            with open(path, "rb") as f:
-                results[i] = pickle.load(f)
-    return results
-
-
-def _wait_any(pids) -> tuple[int, int]:
-    while True:
-        for pid in pids:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return done, status
-        time.sleep(0.01)
-
-
-def _child(fn: Callable, path: str) -> None:
-    torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
-    faulthandler.disable()  # a crash is reported by the parent, in one line
-    try:
-        result = ("ok", fn())
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        try:
-            pickle.dumps(e)
-            result = ("error", e)
-        except Exception:  # not picklable: keep its name and first line
-            result = ("error", EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
-    try:
-        with open(path, "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        os._exit(0)

@@ -6,13 +6,14 @@ import dataclasses
 
 import torch
 
-from memfit.config import Config, ConfigError
-from memfit.memory.estimate import PROBES_WITHOUT_1, MicroBatchError, first_line
+from memfit.config import Config
+from memfit.errors import ConfigError, MicroBatchError, WorkloadError
+from memfit.memory.estimate import PROBES_WITHOUT_1, first_line
 from memfit.memory.fake import SameModeDeepcopy, new_fake_mode
-from memfit.memory.tracker import LiveBytes, ModuleScope
+from memfit.memory.tracker import LiveBytes, ModuleScope, OpRecorder
 from memfit.step import TrainStep
 from memfit.strategies import autocast_context
-from memfit.workload import Workload, WorkloadError, tensors_of
+from memfit.workload import Workload, tensors_of
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
 
         hooks = [m.register_forward_hook(record) for m in model.modules()]
         tracker = LiveBytes("cpu")
+        recorder = OpRecorder()
         saved: dict[int, int] = {}
 
         def pack(t):
@@ -64,9 +66,9 @@ def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
                 saved[uid] = tracker.infos[uid].nbytes
             return t
 
-        scope = ModuleScope(model, tracker)
+        scope = ModuleScope(model, tracker, recorder)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker, recorder:
                 with autocast_context(config, step.device):
                     loss = workload.loss(model, workload.batch(config.micro_batch))
                 loss.float().backward()
@@ -82,7 +84,7 @@ def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
         if info is not None and key not in param_keys:
             saved_by_module[info.module] = saved_by_module.get(info.module, 0) + nbytes
     flop_counts: dict[str, int] = {}  # children included: add each innermost count to all its ancestors
-    for module, n in tracker.flops_by_module.items():
+    for module, n in recorder.flops_by_module.items():
         if module.startswith("("):  # run outside any module: backward, optimizer
             continue
         parts = module.split(".")

@@ -1,23 +1,64 @@
-"""Count live tensor bytes on one device, op by op: the ground truth memfit estimates from.
+"""Two dispatch modes that watch a training step op by op, each with one job, stackable like PyTorch's
+`MemTracker` and `RuntimeEstimator`:
+
+- `LiveBytes` counts live tensor bytes on one device: the ground truth memfit estimates from (and, with a
+  budget, the virtual device memory a CPU run rehearses OOMs in).
+- `OpRecorder` records every op's work for the step-time model (FLOPs, bytes moved, fresh allocation, kind,
+  phase) and FLOPs per module.
 
 A `TorchDispatchMode` sees every tensor an aten op creates (below autograd, so the backward pass and the
 optimizer are seen too). Bytes are counted per storage, so views and in-place results cost nothing, and a
 storage is freed when its Python wrapper's finaliser runs (storages keep one wrapper for life). The same
-counter runs on fake tensors (the estimate) and on real ones (the fallback and the CPU virtual budget).
+modes run on fake tensors (the estimate) and on real ones (the fallback, a run's budget, calibration).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import weakref
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
+from memfit.torch_internals import TorchDispatchMode, storage_key, tree_leaves
+
+
+class _Word(str, enum.Enum):
+    """A vocabulary word: equal to, hashed, printed and written to JSON as its plain string."""
+    __hash__ = str.__hash__
+    __format__ = str.__format__
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Category(_Word):
+    """What a byte of device memory is for; every storage the step touches gets exactly one."""
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"   # saved for backward
+    TEMPORARIES = "temporaries"   # everything else the step creates
+
+
+class Phase(_Word):
+    """Where the step is (TrainStep tells the tracers as it enters each)."""
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+CATEGORIES = tuple(Category)
+MODEL_STATE = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 @dataclasses.dataclass
@@ -27,17 +68,35 @@ class StorageInfo:
     module: str
     shape: tuple
     dtype: str
-    phase: str
-    category: str | None = None  # forced label (inputs, host copies); otherwise decided after the step
+    phase: Phase
+    category: Category | None = None  # forced label (inputs, host copies); otherwise decided after the step
 
 
-class LiveBytes(TorchDispatchMode):
+class _Scoped(TorchDispatchMode):
+    """What both modes share: the phase the step is in and the stack of running modules (`ModuleScope`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = Phase.SETUP
+        self.module_stack: list[str] = []
+
+    def mark(self, phase: str) -> None:
+        self.phase = Phase(phase)
+
+    @property
+    def module(self) -> str:
+        """The innermost running module, or "(phase)" outside any module (backward, optimizer)."""
+        return self.module_stack[-1] if self.module_stack else f"({self.phase})"
+
+
+class LiveBytes(_Scoped):
     """Records (id, +bytes) / (id, -bytes) events for storages on `device_type`.
 
     budget: if set, an allocation that takes the live total past it raises torch.OutOfMemoryError —
     the virtual device memory used to rehearse OOMs on a CPU.
     host_apart: allocations made under `host_side()` (offloading) are host memory, not device memory.
     True when a GPU step is traced on the CPU; on a CPU device host and device memory are one.
+    detail: False keeps live bytes and peak only (a run's budget, steps without end).
     """
 
     def __init__(self, device_type: str = "cpu", budget: int | None = None, host_apart: bool = False,
@@ -45,73 +104,60 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.budget = budget
-        self.detail = detail  # False: live bytes and peak only (a run's budget, steps without end)
+        self.detail = detail
         self.host_apart = host_apart
         self.host_live: dict[int, int] = {}  # host-side storages when host_apart
         self.host_current = self.host_peak = 0
         self.infos: dict[int, StorageInfo] = {}
         self.live: dict[int, int] = {}
         self.events: list[tuple[int, int]] = []
-        self.marks: list[tuple[int, str]] = []  # (event index, phase name)
+        self.marks: list[tuple[int, Phase]] = []  # (event index, phase)
         self.current = 0
         self.peak = 0
         self.peak_index = -1  # events[:peak_index + 1] replayed gives the live set at the peak
-        self.module_stack: list[str] = []
-        self.exclude: set[int] = set()  # storage addresses that live elsewhere (a host-side batch, for a GPU)
-        self._uids: dict[int, int] = {}  # storage address -> id, live storages only
+        self.phase_peaks: dict[Phase, int] = {}  # the highest live total seen in each phase
+        self.exclude: set[int] = set()  # storage keys that live elsewhere (a host-side batch, for a GPU)
+        self._uids: dict[int, int] = {}  # storage key -> id, live storages only
         self._next_uid = 0
-        self.phase = "setup"
-        self.flops_by_module: dict[str, int] = {}
-        # one record per op for the step-time model: FLOPs, bytes read + written, largest new storage, kind
-        self.op_flops: list[int] = []
-        self.op_bytes: list[int] = []
-        self.op_alloc: list[int] = []  # a CPU pays page faults on large fresh allocations
-        # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers, their count as FLOPs: ~6 ns each on a CPU)
-        # | "host" | "link" (host<->device copy)
-        self.op_kind: list[str] = []
-        self.op_phase: list[str] = []
-        self.op_name: list[str] = []  # aten op, without overload: the step-time model prices some by name
-        self.phase_peaks: dict[str, int] = {}  # the highest live total seen in each phase
-        self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
         self._active = True
 
     # -- what the step tells the tracker
     def mark(self, phase: str) -> None:
-        self.phase = phase
-        self.marks.append((len(self.events), phase))
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self.current)
+        super().mark(phase)
+        self.marks.append((len(self.events), self.phase))
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
 
-    def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: str | None = None,
+    def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: Category | None = None,
               host: bool = False) -> None:
         for t in tensors:
             self._add(t, op, category, host)
 
-    def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+    def tag(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
         for t in tensors:
             info = self.infos.get(self.uid(t))
             if info is not None:
                 info.category = category
 
     def uid(self, t: torch.Tensor) -> int | None:
-        """The id of t's storage while it is live. Storage addresses are reused after a free, so events
+        """The id of t's storage while it is live. Storage keys are reused after a free, so events
         and labels use ids that are never reused."""
-        return self._uids.get(t.untyped_storage()._cdata)
+        return self._uids.get(storage_key(t))
 
     def close(self) -> None:
         """Stop counting; finalisers of storages that die later are ignored."""
         self._active = False
 
     # -- bookkeeping
-    def _add(self, t: torch.Tensor, op: str, category: str | None = None, host: bool = False) -> None:
+    def _add(self, t: torch.Tensor, op: str, category: Category | None = None, host: bool = False) -> None:
         if t.device.type != self.device_type or t.is_sparse or t.is_nested:
             return
         st = t.untyped_storage()
-        address = st._cdata
+        address = storage_key(st)
         if address in self._uids or address in self.exclude:
             return
         nbytes = st.nbytes()
         if category is None and on_host_side():  # offloaded copies: activations out, gradients in
-            category = {"forward": "activations", "backward": "gradients"}.get(self.phase)
+            category = {Phase.FORWARD: Category.ACTIVATIONS, Phase.BACKWARD: Category.GRADIENTS}.get(self.phase)
         if self.host_apart and (host or on_host_side()):
             self._uids[address] = key = self._next_uid
             self._next_uid += 1
@@ -130,8 +176,7 @@ class LiveBytes(TorchDispatchMode):
         self._uids[address] = key
         self.live[key] = nbytes
         if self.detail:
-            module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
-            self.infos[key] = StorageInfo(nbytes, op, module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+            self.infos[key] = StorageInfo(nbytes, op, self.module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
                                           self.phase, category)
             self.events.append((key, nbytes))
         self.current += nbytes
@@ -168,36 +213,65 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
-        if self._active and not self.detail:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._add(t, "")
-        elif self._active:
-            flops = op_flops(func, args, kwargs, out)
-            if flops:
-                module = self.module_stack[-1] if self.module_stack else f"({self.phase})"
-                self.flops_by_module[module] = self.flops_by_module.get(module, 0) + flops
-                if self.phase == "backward" and self.module_stack:
-                    self.recompute_flops += flops
-            self._record_op(func, args, kwargs, out, flops)
-            name = func.__name__ if hasattr(func, "__name__") else str(func)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._add(t, name)
+        if self._active:
+            name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
+            for t in _tensors(out):
+                self._add(t, name)
         return out
 
 
-    def _record_op(self, func, args, kwargs, out, flops: int) -> None:
-        """Called before the outputs are counted, so storages not yet known are the op's new allocations."""
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+@dataclasses.dataclass
+class OpTrace:
+    """A step's aten ops, one entry per op in order: the step-time model's input (planner.costmodel).
+    Two traces of the same step at different micro-batches line up entry by entry."""
+    flops: list = dataclasses.field(default_factory=list)   # FLOPs (random-number ops: numbers drawn)
+    bytes: list = dataclasses.field(default_factory=list)   # bytes read + written
+    alloc: list = dataclasses.field(default_factory=list)   # largest fresh storage (a CPU pays page faults)
+    # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers: ~6 ns each on a CPU) | "host" | "link"
+    # (host<->device copy)
+    kind: list = dataclasses.field(default_factory=list)
+    phase: list = dataclasses.field(default_factory=list)
+    name: list = dataclasses.field(default_factory=list)    # aten op without overload: some are priced by name
+    moved_bytes: int = 0                                    # host <-> device bytes of offloading, in one step
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+
+class OpRecorder(_Scoped):
+    """Records every op of a step into `trace` (an OpTrace) and counts FLOPs per innermost module
+    (FlopCounterMode's formulas); FLOPs of modules running during backward are activation checkpointing's
+    recomputation. Enter it after a LiveBytes when both run: each op is then recorded once, as the step
+    issued it, before the counter sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace = OpTrace()
+        self.flops_by_module: dict[str, int] = {}
+        self.recompute_flops = 0  # forward ops run again during backward (activation checkpointing)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))
+        flops = op_flops(func, args, kwargs, out)
+        if flops:
+            self.flops_by_module[self.module] = self.flops_by_module.get(self.module, 0) + flops
+            if self.phase == Phase.BACKWARD and self.module_stack:
+                self.recompute_flops += flops
+        self._record(func, args, kwargs, out, flops)
+        return out
+
+    def _record(self, func, args, kwargs, out, flops: int) -> None:
+        outs = _tensors(out)
         alloc = 0
         if getattr(func, "is_view", False):
             kind, moved = "view", 0
         else:
-            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            ins = _tensors((args, kwargs))
             moved = sum(t.numel() * t.element_size() for t in ins + outs)
-            alloc = max((t.untyped_storage().nbytes() for t in outs
-                         if t.untyped_storage()._cdata not in self._uids), default=0)
+            # fresh storages: an output whose storage no input has (in-place and out= results reuse one)
+            given = {storage_key(t) for t in ins}
+            alloc = max((t.untyped_storage().nbytes() for t in outs if storage_key(t) not in given), default=0)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
             if on_host_side():
                 kind = "link" if func is torch.ops.aten.copy_.default else "host"
@@ -207,29 +281,32 @@ class LiveBytes(TorchDispatchMode):
                 kind, flops = "rng", max((t.numel() for t in outs), default=0)
             else:
                 kind = "lp" if low else "f32"
-        self.op_flops.append(flops)
-        self.op_bytes.append(moved)
-        self.op_alloc.append(alloc)
-        self.op_kind.append(kind)
-        self.op_phase.append(self.phase)
-        self.op_name.append(getattr(getattr(func, "_overloadpacket", func), "__name__", str(func)))
+        tr = self.trace
+        tr.flops.append(flops)
+        tr.bytes.append(moved)
+        tr.alloc.append(alloc)
+        tr.kind.append(kind)
+        tr.phase.append(self.phase)
+        tr.name.append(getattr(getattr(func, "_overloadpacket", func), "__name__", str(func)))
 
 
 class ModuleScope:
-    """Keeps `tracker.module_stack` equal to the stack of modules whose forward is running, so each
-    allocation is attributed to the innermost module (recomputation in backward included)."""
+    """Keeps each mode's `module_stack` equal to the stack of modules whose forward is running, so each
+    allocation and FLOP is attributed to the innermost module (recomputation in backward included)."""
 
-    def __init__(self, model: torch.nn.Module, tracker: LiveBytes):
-        stack = tracker.module_stack
+    def __init__(self, model: torch.nn.Module, *modes: _Scoped):
+        stacks = [m.module_stack for m in modes]
 
         def enter(label):
             def hook(module, args):
-                stack.append(label)
+                for stack in stacks:
+                    stack.append(label)
             return hook
 
         def leave(module, args, output):  # returns None: a forward hook's return value replaces the output
-            if stack:
-                stack.pop()
+            for stack in stacks:
+                if stack:
+                    stack.pop()
 
         self.handles = []
         for name, mod in model.named_modules():

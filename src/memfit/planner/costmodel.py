@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.memory.devices import Device
-from memfit.memory.tracker import LiveBytes
+from memfit.memory.tracker import OpRecorder, OpTrace
 
 PROFILE_VERSION = 4  # a cached profile of another version is measured again
 # When a cached profile is measured again (`stale`): another profile version; another torch version, CPU
@@ -128,17 +128,17 @@ NOT_OPS = frozenset({"device"})
 
 
 class OpTable:
-    """An estimate's per-op records as tensors, built once: the planner prices them many times. Rows stay
+    """A step's op trace as tensors, built once: the planner prices them many times. Rows stay
     in step with the records (two probes' tables are compared row by row); `real` marks the ones that are
     ops in a real step."""
 
-    def __init__(self, ops: dict):
-        names = ops.get("name") or [""] * len(ops["kind"])
-        self.flops = torch.tensor(ops["flops"], dtype=torch.float64)
-        self.bytes = torch.tensor(ops["bytes"], dtype=torch.float64)
-        self.alloc = torch.tensor(ops["alloc"], dtype=torch.float64)
-        self.kind = torch.tensor([KINDS[k] for k in ops["kind"]], dtype=torch.int8)
-        self.phase = torch.tensor([PHASES[p] for p in ops["phase"]], dtype=torch.int8)
+    def __init__(self, ops: OpTrace):
+        names = ops.name
+        self.flops = torch.tensor(ops.flops, dtype=torch.float64)
+        self.bytes = torch.tensor(ops.bytes, dtype=torch.float64)
+        self.alloc = torch.tensor(ops.alloc, dtype=torch.float64)
+        self.kind = torch.tensor([KINDS[k] for k in ops.kind], dtype=torch.int8)
+        self.phase = torch.tensor([PHASES[p] for p in ops.phase], dtype=torch.int8)
         self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
         self.real = torch.tensor([n not in NOT_OPS for n in names], dtype=torch.bool)
 
@@ -194,14 +194,14 @@ def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flo
     return device + host_s + int(host.sum()) * hp.op_overhead
 
 
-def step_seconds(profile: Profile, estimate, micro_steps: float = 1.0) -> float:
+def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0) -> float:
     """Predicted wall time of the traced step; `micro_steps` scales its forward/backward part (a trace of
     two micro-steps stands for an accumulation of many)."""
-    table = OpTable(estimate.ops)
+    table = OpTable(ops)
     t = micro_steps * phase_seconds(profile, table, ("forward", "backward"))
     t += phase_seconds(profile, table, ("optimizer", "setup"))
-    if profile.kind == "cuda" and estimate.moved_bytes:
-        t += micro_steps * estimate.moved_bytes / profile.link_bandwidth
+    if profile.kind == "cuda" and ops.moved_bytes:
+        t += micro_steps * ops.moved_bytes / profile.link_bandwidth
     return t
 
 
@@ -392,10 +392,10 @@ def _op_overhead(dev: torch.device, sync) -> float:
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
 
-    counter = LiveBytes(dev.type)
+    counter = OpRecorder()
     with counter:
         step()
-    return _time(step, sync=sync) / len(counter.op_kind)
+    return _time(step, sync=sync) / len(counter.trace)
 
 
 class _OtherProcesses:

@@ -13,19 +13,17 @@ import functools
 import math
 
 
-from memfit.config import Config, ConfigError
-from memfit.memory.devices import Device, get_device
-from memfit.memory.estimate import (Estimate, EstimateError, MicroBatchError, _run_isolated, estimate, first_line,
-                                    probe_traces, run_isolated_many, state_bytes)
+from memfit.config import Config
+from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
+from memfit.memory.devices import Device, defaults_for, get_device
+from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line, probe,
+                                    probe_pair, state_bytes)
+from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.planner.costmodel import OpTable, Profile, describe, phase_seconds, profile_for, step_seconds
 from memfit.units import fmt_bytes, parse_size
-from memfit.workload import Workload, WorkloadError
+from memfit.workload import Workload
 
 MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
-
-
-class PlanError(Exception):
-    """Nothing fits, or the request cannot be planned; the message says what would make it fit."""
 
 
 @dataclasses.dataclass
@@ -68,7 +66,7 @@ def resolve_budget(budget, dev: Device) -> int:
     if isinstance(budget, str) and budget.strip().endswith("%"):
         share = float(budget.strip()[:-1]) / 100
         if not 0 < share <= 1:
-            raise ValueError(f"budget {budget!r}: a share of the device must be in (0%, 100%]")
+            raise ConfigError(f"budget {budget!r}: a share of the device must be in (0%, 100%]")
         return int(dev.memory_bytes * share)
     return parse_size(budget)
 
@@ -82,46 +80,44 @@ def _used(est: Estimate) -> int:
 class _Family:
     """Two probes of one family, and what they predict at any micro-batch."""
     base: Config
-    probes: list  # [Estimate, Estimate] at the two smallest micro-batches the model trains at
+    probes: list  # [Probe, Probe] at the two smallest micro-batches the model trains at
     rejected: str | None = None  # why micro-batch 1 failed, when the probes had to start at 2
     _tables: tuple | None = None
 
     @property
     def sizes(self) -> tuple[int, int]:
-        return tuple(e.config["micro_batch"] for e in self.probes)
+        return tuple(p.micro_batch for p in self.probes)
 
-    def _line(self, a: float, b: float, m: int) -> float:
-        m1, m2 = self.sizes
-        return a + (b - a) * (m - m1) / (m2 - m1)
+    @property
+    def line(self) -> MicroBatchLine:
+        return MicroBatchLine(*self.sizes)
 
     def memory(self, m: int, accum: int, cpu: bool) -> int:
-        e1, e2 = self.probes
-        phases = {p: self._line(e1.phase_peaks.get(p, 0), e2.phase_peaks.get(p, 0), m)
-                  for p in ("forward", "backward", "optimizer")}
+        e1, e2 = (p.estimate for p in self.probes)
+        phases = {p: self.line.at(e1.phase_peaks.get(p, 0), e2.phase_peaks.get(p, 0), m)
+                  for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)}
         if accum > 1:  # gradients of earlier micro-steps are alive during later forwards
-            phases["forward"] += e2.model_state_bytes["gradients"] or e2.breakdown["gradients"]
+            phases[Phase.FORWARD] += e2.model_state_bytes[Category.GRADIENTS] or e2.breakdown[Category.GRADIENTS]
         live = max(phases.values())
         if cpu:  # on a CPU the whole global batch is device memory, not just one micro-batch
-            per_sample = (e2.breakdown["inputs"] - e1.breakdown["inputs"]) / (self.sizes[1] - self.sizes[0])
-            live += per_sample * m * (accum - 1)
+            live += self.line.per_sample(e1.breakdown[Category.INPUTS], e2.breakdown[Category.INPUTS]) * m * (accum - 1)
             return int(live)
         ratio = e2.peak_reserved_bytes / max(e2.peak_bytes, 1)  # allocator rounding and caching
         return int(live * ratio + (e2.device_peak_bytes - e2.peak_reserved_bytes))
 
     def seconds(self, profile: Profile, m: int, accum: int) -> float:
-        e1, e2 = self.probes
-        if len(e1.ops["flops"]) != len(e2.ops["flops"]):  # op lists differ (data-dependent): scale totals
-            t1, t2 = step_seconds(profile, e1), step_seconds(profile, e2)
-            return accum * self._line(t1, t2, m)
+        o1, o2 = (p.ops for p in self.probes)
+        if len(o1) != len(o2):  # op lists differ (data-dependent): scale totals
+            return accum * self.line.at(step_seconds(profile, o1), step_seconds(profile, o2), m)
         if self._tables is None:
-            self._tables = (OpTable(e1.ops), OpTable(e2.ops))
+            self._tables = (OpTable(o1), OpTable(o2))
         t1, t2 = self._tables
-        flops = self._line(t1.flops, t2.flops, m).clamp(min=0)
-        nbytes = self._line(t1.bytes, t2.bytes, m).clamp(min=0)
-        alloc = self._line(t1.alloc, t2.alloc, m).clamp(min=0)
+        flops = self.line.at(t1.flops, t2.flops, m).clamp(min=0)
+        nbytes = self.line.at(t1.bytes, t2.bytes, m).clamp(min=0)
+        alloc = self.line.at(t1.alloc, t2.alloc, m).clamp(min=0)
         micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
         rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
-        moved = self._line(e1.moved_bytes, e2.moved_bytes, m) if profile.kind == "cuda" else 0.0
+        moved = self.line.at(o1.moved_bytes, o2.moved_bytes, m) if profile.kind == "cuda" else 0.0
         return accum * micro + rest + accum * moved / profile.link_bandwidth
 
 
@@ -167,11 +163,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     rates = functools.cache(lambda: profile or profile_for(dev))
     notes = [f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces"]
 
-    precisions = [precision] if precision else (["fp32", "bf16"] if cpu else ["bf16" if dev.bf16 else "fp16"])
-    if not precision and not cpu:
+    defaults = defaults_for(dev)
+    precisions = [precision] if precision else list(defaults.precisions)
+    if not precision and "fp32" not in precisions:
         notes.append(f"fp32 not searched on a GPU: {precisions[0]} autocast is smaller and faster; fix it to force")
     checkpoints = [activation_checkpoint] if activation_checkpoint is not None else ["none", "all", "selective"]
-    if cpu:
+    if not defaults.search_offload:
         offloads = [(bool(offload_activations), bool(offload_optimizer))]
         if offload_activations is None and offload_optimizer is None:
             notes.append("offload not searched on a CPU device: host and device memory are one")
@@ -203,7 +200,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             smallest_need[_family_name(b)] = floor
             verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
                                               f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
-    traced = run_isolated_many([functools.partial(probe_traces, workload, b, dev) for b in bases])
+    traced = run_isolated_many([functools.partial(probe_pair, workload, b, dev) for b in bases])
     failed = []
     for base, (kind, value) in zip(bases, traced):
         if kind == "ok":
@@ -253,16 +250,16 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     queue = list(candidates)
     while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
         batch, queue = queue[:confirm], queue[confirm:]
-        results = run_isolated_many([functools.partial(_confirm, workload, c.config, dev) for c in batch])
-        for cand, (kind, est) in zip(batch, results):
+        results = run_isolated_many([functools.partial(full_probe, workload, c.config, dev) for c in batch])
+        for cand, (kind, value) in zip(batch, results):
             label = _family_name(cand.config) + f", micro-batch {cand.config.micro_batch}"
             if kind != "ok":  # not offered; the next candidate is confirmed instead
-                raised.append(est)
+                raised.append(value)
                 candidates.remove(cand)
-                verdicts.append((label, f"skipped: its full estimate raised {first_line(est)}"))
+                verdicts.append((label, f"skipped: its full estimate raised {first_line(value)}"))
                 continue
-            cand.peak_bytes, cand.confirmed, cand.estimate = _used(est), True, est
-            cand.step_seconds = step_seconds(rates(), est, cand.config.grad_accum / min(cand.config.grad_accum, 2))
+            cand.peak_bytes, cand.confirmed, cand.estimate = _used(value.estimate), True, value.estimate
+            cand.step_seconds = _seconds(rates(), value, cand.config)
             if cand.peak_bytes <= usable:
                 confirmed.append(cand)
             else:
@@ -307,24 +304,45 @@ def _state_floors(workload: Workload, states: list[tuple[str, bool]], dev: Devic
     return [state_bytes(workload, Config(precision=p, offload_optimizer=o), dev) for p, o in states]
 
 
-def _confirm(workload: Workload, config: Config, dev: Device) -> Estimate:
-    """A full estimate, with a long accumulation traced as two micro-steps: from the second on, every
-    micro-step is the same. On a CPU the rest of the global batch is added as inputs, live all step."""
+def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
+    """A full estimate with its ops, in this process, with a long accumulation traced as two micro-steps:
+    from the second on, every micro-step is the same. On a CPU the rest of the global batch is added as
+    inputs, live all step."""
     accum = config.grad_accum
     if accum <= 2:
-        return estimate(workload, config, dev, isolate=False)
-    est = estimate(workload, config.replace(grad_accum=2), dev, isolate=False)
+        return probe(workload, config, dev, isolate=False)
+    p = probe(workload, config.replace(grad_accum=2), dev, isolate=False)
+    est = p.estimate
     if dev.kind == "cpu":
-        extra = est.breakdown["inputs"] * (accum - 2) // 2
+        extra = est.breakdown[Category.INPUTS] * (accum - 2) // 2
         est.peak_bytes += extra
-        est.breakdown["inputs"] += extra
+        est.breakdown[Category.INPUTS] += extra
     est.config = config.to_dict()
     est.notes.append(f"accumulation over {accum} micro-steps traced as 2; later micro-steps repeat the second")
-    return est
+    return p
+
+
+def _seconds(profile: Profile, p: Probe, config: Config) -> float:
+    """Step time of a full probe: its traced micro-steps stand for all `config.grad_accum` of them."""
+    return step_seconds(profile, p.ops, config.grad_accum / min(config.grad_accum, 2))
+
+
+def price(workload: Workload, config: Config, device: str | Device = "cpu",
+          profile: Profile | None = None) -> tuple[Estimate, float]:
+    """The plan's own pricing of one configuration, as it confirms a candidate: its full estimate and its
+    predicted step seconds (`profile`, else the device's calibration). Traces in a forked child.
+
+    Example::
+
+        est, seconds = price(workload, Config(micro_batch=4, grad_accum=8), "cpu")
+    """
+    dev = device if isinstance(device, Device) else get_device(device)
+    p = run_isolated(functools.partial(full_probe, workload, config, dev))
+    return p.estimate, _seconds(profile or profile_for(dev), p, config)
 
 
 def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, rates):
-    n = len(full.probes[0].blocks)
+    n = len(full.probes[0].estimate.blocks)
     out, shares = [], set()
     for k in (2, 3, 4):
         share = math.ceil(n / k) / n
@@ -341,6 +359,25 @@ def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cp
     return out
 
 
+def _largest_predicted(fam: _Family, usable: int, cpu: bool, name: str) -> int:
+    """The largest micro-batch the probes predict to fit (the smallest if none). Memory is the highest of
+    the phases' lines, so it can stay flat while a phase that does not grow (the optimizer's) dominates:
+    searched, not solved from one slope."""
+    lo = fam.sizes[0]
+    if fam.memory(lo, 1, cpu) > usable:
+        return lo
+    hi = 2 * lo
+    while fam.memory(hi, 1, cpu) <= usable:
+        lo, hi = hi, 2 * hi
+        if hi > 1 << 50:
+            raise PlanError(f"{name}'s memory does not grow with the micro-batch (does workload.batch(n) "
+                            f"return n samples?): there is no largest micro-batch")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fam.memory(mid, 1, cpu) <= usable else (lo, mid)
+    return lo
+
+
 def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu", *, precision: str | None = None,
                     micro_batch: int | None = None, activation_checkpoint=None, offload_activations: bool | None = None,
                     offload_optimizer: bool | None = None) -> dict:
@@ -350,17 +387,13 @@ def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu
     dev = device if isinstance(device, Device) else get_device(device)
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
-    base = Config(micro_batch=1, precision=precision or ("fp32" if dev.kind == "cpu" else "bf16"),
+    base = Config(micro_batch=1, precision=precision or defaults_for(dev).precision,
                   activation_checkpoint=activation_checkpoint or "none", offload_activations=bool(offload_activations),
                   offload_optimizer=bool(offload_optimizer))
-    fam = _Family(base, *_run_isolated(lambda: probe_traces(workload, base, dev)))
+    fam = _Family(base, *run_isolated(functools.partial(probe_pair, workload, base, dev)))
     cpu = dev.kind == "cpu"
     smallest = fam.sizes[0]
-    slope = fam.memory(smallest + 1, 1, cpu) - fam.memory(smallest, 1, cpu)
-    if slope <= 0:
-        raise PlanError(f"{workload.name}'s memory does not grow with the micro-batch (does workload.batch(n) "
-                        f"return n samples?): there is no largest micro-batch")
-    guess = max(smallest, int((usable - fam.memory(smallest, 1, cpu)) / slope) + smallest)
+    guess = _largest_predicted(fam, usable, cpu, workload.name)
 
     def fits(m: int) -> tuple[bool, int]:
         used = _used(estimate(workload, base.replace(micro_batch=m), device=dev))

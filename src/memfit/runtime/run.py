@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import datetime
 import errno
-import functools
 import gc
 import json
 import math
@@ -118,14 +117,9 @@ def predict(workload: Workload, config: Config, dev) -> Prediction:
     """Peak and step time of `config`, priced as the planner prices a confirmed candidate (a long
     accumulation traced as two micro-steps), so `memfit plan` and a run at the same configuration say the
     same."""
-    from memfit.memory.estimate import run_isolated_many
-    from memfit.planner.costmodel import profile_for, step_seconds
-    from memfit.planner.search import _confirm
+    from memfit.planner.search import price
 
-    [(kind, est)] = run_isolated_many([functools.partial(_confirm, workload, config, dev)], workers=1)
-    if kind != "ok":
-        raise est
-    seconds = step_seconds(profile_for(dev), est, config.grad_accum / min(config.grad_accum, 2))
+    est, seconds = price(workload, config, dev)
     return Prediction(config, _comparable_peak(est), seconds, "estimate", est)
 
 
