@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 import memfit  # noqa: E402
 from memfit import Config  # noqa: E402
 from memfit.memory.devices import get_device  # noqa: E402
-from memfit.memory.estimate import estimate  # noqa: E402
+from memfit.memory.estimate import probe  # noqa: E402
 from memfit.planner import costmodel  # noqa: E402
 from memfit.planner.costmodel import KINDS, OpTable, step_seconds  # noqa: E402
 from memfit.workloads import builtin  # noqa: E402
@@ -37,16 +37,16 @@ MODELS = ("resnet-tiny", "sort", "gpt-tiny")
 SHAPES = ((64, 1), (8, 8))  # (micro-batch, accumulation): one large micro-step, and eight small ones
 
 
-def parts(profile, est) -> dict:
-    """Where the predicted time goes: per kind of op, busy (device) seconds; and the dispatch overhead."""
-    table = OpTable(est.ops)
-    busy = costmodel._device_seconds(profile, table.flops, table.bytes, table.alloc, table.kind)
-    out = {}
-    for name, k in KINDS.items():
-        sel = table.kind == k
-        if int(sel.sum()):
-            out[f"{name}_ops"] = int(sel.sum())
-            out[f"{name}_busy_ms"] = round(1e3 * float(busy[sel].sum()), 3)
+def parts(profile, ops) -> dict:
+    """Where the predicted time goes: busy (device) milliseconds and op counts by class of op and dtype."""
+    table = OpTable(ops)
+    busy = costmodel._device_seconds(profile, table.flops, table.bytes, table.alloc, table.kind, table.cls)
+    out = {"ops": int(table.real.sum()), "dispatch_ms": round(1e3 * int(table.real.sum()) * profile.op_overhead, 3)}
+    for c, name in enumerate(costmodel.CLASSES):
+        for kind in ("f32", "lp", "rng"):
+            sel = table.real & (table.cls == c) & (table.kind == KINDS[kind])
+            if int(sel.sum()):
+                out[f"{name}.{kind}"] = dict(ops=int(sel.sum()), busy_ms=round(1e3 * float(busy[sel].sum()), 3))
     return out
 
 
@@ -63,10 +63,22 @@ def measure(wl, cfg: Config, warmup: int, steps: int, max_foreign: float) -> dic
                 foreign_cores=[round(f, 3) for f in foreign], redone=redone)
 
 
+def quiet_calibration(max_wait: float, tries: int = 10) -> costmodel.Profile:
+    """A calibration that passed its own checks, measured when other processes left the cores alone."""
+    for _ in range(tries):
+        wait_quiet(0.1, max_wait, label="calibration")
+        profile = costmodel.calibrate("cpu", attempts=1)
+        if not profile.problems:
+            return profile
+        print(f"  calibration suspect ({'; '.join(profile.problems)}); again", flush=True)
+    raise SystemExit("no clean calibration: the machine never stayed quiet")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", required=True)
     ap.add_argument("--calibrate", action="store_true", help="measure a fresh profile instead of the cached one")
+    ap.add_argument("--profile", help="a profile saved as JSON (Profile.to_dict) instead of the cached one")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=9)
@@ -74,20 +86,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max-wait", type=float, default=120.0)
     args = ap.parse_args(argv)
     MAX_WAIT[0] = args.max_wait
-    profile = costmodel.calibrate("cpu") if args.calibrate else costmodel.profile_for(get_device("cpu"))
+    if args.profile:
+        profile = costmodel.Profile(**json.loads(Path(args.profile).read_text()))
+    elif args.calibrate:
+        profile = quiet_calibration(args.max_wait)
+    else:
+        profile = costmodel.profile_for(get_device("cpu"))
     rows = []
     for name in args.models.split(","):
         wl = builtin(name)
         for precision in ("fp32", "bf16"):
             for m, accum in SHAPES:
                 cfg = Config(micro_batch=m, grad_accum=accum, precision=precision)
-                est = estimate(wl, cfg)
-                predicted = step_seconds(profile, est)
+                ops = probe(wl, cfg).ops
+                predicted = step_seconds(profile, ops)
                 got = measure(wl, cfg, args.warmup, args.steps, args.foreign_max)
                 ratio = got["median_s"] / predicted
                 rows.append(dict(model=name, precision=precision, micro_batch=m, grad_accum=accum,
                                  predicted_s=predicted, measured=got, measured_over_predicted=ratio,
-                                 parts=parts(profile, est)))
+                                 parts=parts(profile, ops)))
                 print(f"{name:12s} {precision:5s} mb {m:3d} x {accum}: predicted {predicted * 1e3:8.1f} ms, "
                       f"measured {got['median_s'] * 1e3:8.1f} ms (min {got['min_s'] * 1e3:.1f}), "
                       f"measured/predicted {ratio:5.2f}", flush=True)

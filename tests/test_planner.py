@@ -337,6 +337,7 @@ def test_step_time_model_prices_each_class_of_op_by_its_own_curve():
     for name in ("silu", "silu_backward", "_log_softmax", "native_layer_norm_backward", "native_batch_norm"):
         assert _busy(CURVED, name, "f32", 0, 1e9) == pytest.approx(0.5), name
     assert _busy(CURVED, "silu", "lp", 0, 1e9) == pytest.approx(0.1)  # no special bf16 curve: elementwise's
+    assert _busy(CURVED, "_unsafe_view", "f32", 0, 1e9) == 0  # moves no data, though not marked a view
     # a fake tensor's `.device` is an op only under fake tensors: no time, no dispatch
     from memfit.planner.costmodel import phase_seconds
     assert phase_seconds(CURVED, _ops(("device", "f32", 0, 1e9)), ("forward",)) == 0

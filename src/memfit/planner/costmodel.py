@@ -2,25 +2,27 @@
 
 Every aten op of the traced step is one record (name, FLOPs, bytes read and written, its largest new
 allocation, kind, phase). An op costs a fixed host overhead (dispatch, autograd; measured on a real
-training step) plus its device time, from a curve measured on this machine for its class of op:
-  matmuls, convolutions (forward, backward) and attention (forward, backward) by their FLOPs, on shapes
-  like a network's (a 3x3 convolution with 8 channels runs at a twentieth of a matmul's rate and costs
-  ~100 us whatever its size; the CPU's bf16 attention backward is 10x slower than fp32);
+training step) plus its device time, from curves measured on this machine for its class of op, on
+inputs that come from memory rather than a hot cache (as a step's tensors do):
+  matmuls, convolutions and attention (forward and backward apart) at the slower of two curves, one by
+  FLOPs (wide shapes) and one by bytes (narrow ones: a 3x3 convolution over 8 channels costs per pixel,
+  ~100 us at least; the CPU's bf16 attention backward ~100 ns per element, 10x fp32's time);
   elementwise ops, and the costlier per-element ones (exp-like functions, norms, softmax, pooling), by
   their bytes, per dtype (a bf16 multiply is no faster than an fp32 one per element, so it is slower
-  per byte) and from memory rather than cache (a step's tensors come from memory);
+  per byte);
   random numbers (dropout) per number drawn, whatever the dtype;
   and a large fresh allocation its page faults (glibc returns every allocation over 32 MiB to the kernel
   when it is freed).
-Ops the curves do not cover fall back to the matmul curve (FLOPs) and the copy bandwidth (bytes); a GPU
-from the catalogue has only those. On a CPU ops run back to back; on a GPU the host's dispatch overlaps
-the kernels, so the step takes the longer of the two. Offloaded work runs at the host's rates, and the
-bytes it moves cross the host link.
+What no curve covers falls back to the matmul curve (FLOPs) and the copy bandwidth (bytes); a GPU from the
+catalogue has only those. On a CPU ops run back to back; on a GPU the host's dispatch overlaps the
+kernels, so the step takes the longer of the two. Offloaded work runs at the host's rates, and the bytes
+it moves cross the host link. benchmarks/step_time.py measures the result against real steps.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -31,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.memory.devices import Device
 from memfit.memory.tracker import OpRecorder, OpTrace
@@ -43,10 +44,13 @@ MAX_AGE_DAYS = 30
 SUSPECT_AGE = 3600.0
 # A calibration taken on a busy machine once priced every op at 2.16 ms (a quiet one measures 5-10 us) and
 # was kept for good. Checks (`_problems`): per-op cost over MAX_OP_OVERHEAD; figures measured twice (start
-# and end) that differ by more than REPEAT_SPREAD; a larger size measured faster than a smaller one by more
-# than REPEAT_SPREAD; other processes using more than BUSY_CORES cores meanwhile. A suspect calibration is
+# and end) that differ by more than REPEAT_SPREAD; a curve whose smallest size takes over MAX_SMALL_OP, or
+# whose larger size ran faster than a smaller one by more than CURVE_DIP; other processes using more
+# than BUSY_CORES cores meanwhile. A suspect calibration is
 # measured once more, then kept for an hour with a warning.
 MAX_OP_OVERHEAD = 200e-6
+CURVE_DIP = 2.0  # a larger size may run faster than a smaller one by this much (tiny sizes are noisy)
+MAX_SMALL_OP = 5e-3  # the smallest size of a curve takes microseconds (the CPU's bf16 attention backward: 2 ms)
 REPEAT_SPREAD = 1.5
 BUSY_CORES = 0.5
 # glibc's mmap threshold adapts up to 32 MiB; larger blocks are mapped fresh and unmapped on free, so every
@@ -125,6 +129,8 @@ PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 # Recorded on fake tensors only: a fake tensor's `.device` is an op (prim.device); a real one's is not. In a
 # traced step they outnumbered the real ops (7,656 to 4,111 in the sort demo at micro-batch 8 x 8).
 NOT_OPS = frozenset({"device"})
+# Ops aten does not mark as views that still move no data: dispatch only.
+ALIASES = frozenset({"_unsafe_view", "alias", "lift_fresh"})
 
 
 class OpTable:
@@ -137,7 +143,8 @@ class OpTable:
         self.flops = torch.tensor(ops.flops, dtype=torch.float64)
         self.bytes = torch.tensor(ops.bytes, dtype=torch.float64)
         self.alloc = torch.tensor(ops.alloc, dtype=torch.float64)
-        self.kind = torch.tensor([KINDS[k] for k in ops.kind], dtype=torch.int8)
+        self.kind = torch.tensor([KINDS["view" if n in ALIASES else k] for n, k in zip(names, ops.kind)],
+                                 dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops.phase], dtype=torch.int8)
         self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
         self.real = torch.tensor([n not in NOT_OPS for n in names], dtype=torch.bool)
@@ -165,6 +172,8 @@ def _device_seconds(profile: Profile, flops, nbytes, alloc, kind, cls) -> torch.
                 sel = sel[flops[sel] > 0]
                 points = curves.get(f"{name}.{tag}") or profile.matmul[tag]
                 busy[sel] = torch.maximum(busy[sel], _curve_seconds(points, flops[sel]))
+                if f"{name}_bytes.{tag}" in curves:
+                    busy[sel] = torch.maximum(busy[sel], _curve_seconds(curves[f"{name}_bytes.{tag}"], nbytes[sel]))
             else:
                 points = curves.get(f"{name}.{tag}") or curves.get(f"elementwise.{tag}")
                 if points:
@@ -207,27 +216,26 @@ def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0) -> fl
 
 # ------------------------------------------------------------------------------------------ calibration
 
-def _time(fn, min_seconds: float = 0.02, rounds: int = 5, sync=lambda: None) -> float:
-    """Seconds per call: the best of `rounds` rounds, so that a busy moment on a shared machine does not
-    end up in the profile."""
+def _time(fn, sync=lambda: None, budget: float = 0.1) -> float:
+    """Seconds per call: the best of many short rounds (~5 ms each, 3 to 15 of them within `budget`). On a
+    machine another process shares, a round that ran while the cores were free is then the one kept."""
+    start = time.perf_counter()
     fn()
     sync()
+    first = max(time.perf_counter() - start, 1e-7)
+    reps = max(1, math.ceil(0.005 / first))
     best = math.inf
-    for _ in range(rounds):
-        reps, start = 0, time.perf_counter()
-        while True:
+    for _ in range(min(15, max(3, int(budget / (reps * first))))):
+        start = time.perf_counter()
+        for _ in range(reps):
             fn()
-            reps += 1
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds and reps >= 2:
-                break
-        best = min(best, elapsed / reps)
+        sync()
+        best = min(best, (time.perf_counter() - start) / reps)
     return best
 
 
 def calibrate(device: str = "cpu", attempts: int = 2) -> Profile:
-    """Measure this machine's device (about 20 s on a CPU). A calibration whose figures look wrong (see
+    """Measure this machine's device (about 30 s on a CPU). A calibration whose figures look wrong (see
     `_problems`) is measured again, up to `attempts` times; the last one is returned with its problems."""
     for _ in range(attempts):
         profile = _calibrate_once(torch.device(device))
@@ -243,17 +251,20 @@ def _calibrate_once(dev: torch.device) -> Profile:
         overheads = [_op_overhead(dev, sync)]
         one = torch.ones(1, device=dev)
         dispatch = _time(lambda: one.neg(), sync=sync)  # what calling any op costs the host: in op_overhead
-        sizes = (16, 32, 64, 128, 256, 512) + (() if cpu else (1024, 2048, 4096))
-        matmul = {tag: _matmul_curve(dev, dtype, sizes, dispatch, sync) for tag, dtype in _DTYPES}
+        # 8 tokens per unit of width (FLOPs dominate), and width 64 over many tokens (bytes do)
+        square = [(8 * d, d) for d in (16, 32, 64, 128, 256, 512) + (() if cpu else (1024, 2048, 4096))]
+        matmul = {tag: _matmul_curve(dev, dtype, square, dispatch, sync) for tag, dtype in _DTYPES}
         curves = {}
         if cpu:  # a GPU's kernels are priced by the matmul curve and bandwidth alone (not measured here)
             for tag, dtype in _DTYPES:
+                curves[f"mm_bytes.{tag}"] = _matmul_curve(dev, dtype, [(t, 64) for t in (256, 1024, 4096, 16384)],
+                                                          dispatch, sync, by_bytes=True)
                 curves.update(_conv_curves(dev, dtype, tag, dispatch, sync))
                 curves.update(_attention_curves(dev, dtype, tag, dispatch, sync))
                 curves[f"elementwise.{tag}"] = _elementwise_curve(dev, dtype, _binary, dispatch, sync)
                 curves[f"special.{tag}"] = _elementwise_curve(dev, dtype, _special, dispatch, sync)
-        cache = []
-        for mib in (0.25, 1, 4, 16, 64, 256):  # from inside L2 to far beyond any cache
+        cache = []  # a CPU prices elementwise ops by their own curves: its copy bandwidth is only reported
+        for mib in (0.25, 1, 4, 16, 64, 256) if not cpu else (64,):  # from inside L2 to far beyond any cache
             x = torch.ones(int(mib * 2**18), device=dev)
             y = torch.empty_like(x)
             moved = 2 * x.numel() * 4  # read + written, as the tracker counts an op's bytes
@@ -278,7 +289,7 @@ def _calibrate_once(dev: torch.device) -> Profile:
             link = pinned.numel() * 4 / _time(lambda: on_dev.copy_(pinned, non_blocking=True), sync=sync)
             host = calibrate("cpu").to_dict()
         overheads.append(_op_overhead(dev, sync))
-        last = _matmul_curve(dev, torch.float32, sizes[-1:], dispatch, sync)[0]  # the first figure, again
+        last = _matmul_curve(dev, torch.float32, square[-1:], dispatch, sync)[0]  # the first figure, again
     name = (torch.cuda.get_device_name(dev) if not cpu else
             f"cpu ({_cpu_model()}, {torch.get_num_threads()} threads)")
     profile = Profile(device=name, kind=dev.type, source="calibrated on this machine", matmul=matmul,
@@ -298,57 +309,82 @@ def _kernel(seconds: float, dispatch: float) -> float:
     return max(seconds - dispatch, 1e-9)
 
 
-def _matmul_curve(dev, dtype, sizes, dispatch, sync) -> list:
-    """A linear layer's three matmuls (forward, input gradient, weight gradient) on 8*d tokens of width d:
-    a network's shapes rather than square ones."""
+COLD_BYTES = 96 * 2**20  # more than a last-level cache holds
+
+
+def _cold(make, nbytes: int):
+    """A function returning the next of as many input sets from `make()` as it takes for each to be used
+    again only after COLD_BYTES of others: a step's tensors come from memory, not from a hot cache."""
+    sets = [make() for _ in range(max(1, COLD_BYTES // max(nbytes, 1)))]
+    turn = itertools.count()
+    return lambda: sets[next(turn) % len(sets)]
+
+
+def _matmul_curve(dev, dtype, shapes, dispatch, sync, by_bytes: bool = False) -> list:
+    """A linear layer's three matmuls (forward, input gradient, weight gradient) for each (tokens, width):
+    [FLOPs or bytes moved (as the tracker counts them), seconds] of the three."""
     pts = []
-    for d in sizes:
-        x, w, g = (torch.randn(*s, device=dev, dtype=dtype) for s in ((8 * d, d), (d, d), (8 * d, d)))
-        t = sum(_kernel(_time(fn, sync=sync), dispatch) for fn in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x))
-        pts.append([3 * 2.0 * 8 * d ** 3, t])
+    for tokens, d in shapes:
+        moved = (2 * tokens * d + d * d) * dtype.itemsize  # each of the three reads two of x, w, g, writes one
+        nxt = _cold(lambda: tuple(torch.randn(*s, device=dev, dtype=dtype) for s in ((tokens, d), (d, d), (tokens, d))),
+                    moved)
+        matmuls = (lambda x, w, g: x @ w.t(), lambda x, w, g: g @ w, lambda x, w, g: g.t() @ x)
+        t = sum(_kernel(_time(lambda: mm(*nxt()), sync=sync), dispatch) for mm in matmuls)
+        pts.append([3 * moved if by_bytes else 3 * 2.0 * tokens * d * d, t])
     return pts
 
 
-def _flops(fn) -> int:
-    with FlopCounterMode(display=False) as counter:  # the formulas the tracker uses
+def _records(fn, name: str) -> tuple[float, float]:
+    """(FLOPs, bytes) of the op `name` in fn(), as the tracker records them for a traced step."""
+    with OpRecorder() as counter:
         fn()
-    return counter.get_total_flops()
+    [(flops, nbytes)] = [(f, b) for n, f, b in zip(counter.trace.name, counter.trace.flops, counter.trace.bytes) if n == name]
+    return flops, nbytes
 
 
-def _forward_backward(dev, fn, inputs, dispatch, sync) -> tuple[list, list]:
-    """[FLOPs, seconds] of fn(*inputs)'s forward op and of its backward op (timed together, less the forward)."""
-    out = fn(*inputs)
-    grad = torch.randn_like(out)
-    forward = _kernel(_time(lambda: fn(*inputs), sync=sync), dispatch)
-    both = _time(lambda: torch.autograd.grad(fn(*inputs), inputs, grad), sync=sync)
-    flops_f = _flops(lambda: fn(*inputs))
-    flops_b = _flops(lambda: torch.autograd.grad(fn(*inputs), inputs, grad)) - flops_f
-    return [flops_f, forward], [flops_b, _kernel(both - forward, 2 * dispatch)]
+def _heavy_curves(dev, dtype, tag, cls, fn, name, families, dispatch, sync) -> dict:
+    """Curves of `fn`'s forward op `name` (class `cls`) and of its backward op, from two families of inputs:
+    one where bytes dominate (curve "<cls>_bytes", by bytes) and one where FLOPs do (by FLOPs). An op is
+    priced at the slower of the two (a roofline whose two rates are measured for the kind of op)."""
+    out = {}
+    for key, shapes in zip(("_bytes", ""), families):
+        fwd, bwd = [], []
+        for shape in shapes:
+            def make():
+                inputs = tuple(torch.randn(*s, device=dev, dtype=dtype, requires_grad=True) for s in shape)
+                return inputs, torch.randn_like(fn(*inputs))
+            inputs, grad = make()
+            nxt = _cold(make, 2 * sum(t.numel() * t.element_size() for t in (*inputs, grad)))
+            forward = _time(lambda: fn(*nxt()[0]), sync=sync)
+            backward = lambda inputs, grad: torch.autograd.grad(fn(*inputs), inputs, grad)  # noqa: E731
+            both = _time(lambda: backward(*nxt()), sync=sync)
+            f_rec = _records(lambda: fn(*inputs), name)
+            b_rec = _records(lambda: backward(inputs, grad), name + "_backward")
+            index = 1 if key else 0  # by bytes, or by FLOPs
+            fwd.append([f_rec[index], _kernel(forward, dispatch)])
+            bwd.append([b_rec[index], _kernel(both - forward, 2 * dispatch)])
+        out[f"{cls}{key}.{tag}"] = sorted(fwd)
+        out[f"{cls}_bwd{key}.{tag}"] = sorted(bwd)
+    return out
 
 
 def _conv_curves(dev, dtype, tag, dispatch, sync) -> dict:
-    """3x3 convolutions whose channels grow with their size, as a network's do (8 channels on a 4x4 map up
-    to 128 on 16x16, batch 8): small convolutions run far below a matmul's rate."""
-    fwd, bwd = [], []
-    for channels, side in ((8, 4), (16, 8), (32, 16), (64, 16), (128, 16)):
-        x = torch.randn(8, channels, side, side, device=dev, dtype=dtype, requires_grad=True)
-        w = torch.randn(channels, channels, 3, 3, device=dev, dtype=dtype, requires_grad=True)
-        f, b = _forward_backward(dev, lambda x, w: F.conv2d(x, w, padding=1), (x, w), dispatch, sync)
-        fwd.append(f)
-        bwd.append(b)
-    return {f"conv.{tag}": fwd, f"conv_bwd.{tag}": bwd}
+    """3x3 convolutions, batch 8: 8 channels on maps of 4x4 to 64x64 (narrow convolutions cost per pixel,
+    ~100 us at least, far below a matmul's rate) and 32 to 256 channels on 8x8 maps."""
+    narrow = [((8, 8, side, side), (8, 8, 3, 3)) for side in (4, 8, 16, 32, 64)]
+    wide = [((8, c, 8, 8), (c, c, 3, 3)) for c in (32, 64, 128, 256)]
+    return _heavy_curves(dev, dtype, tag, "conv", lambda x, w: F.conv2d(x, w, padding=1), "convolution",
+                         (narrow, wide), dispatch, sync)
 
 
 def _attention_curves(dev, dtype, tag, dispatch, sync) -> dict:
-    """Causal attention, 32 heads x batch of width 32, over sequences of 16 to 512."""
-    fwd, bwd = [], []
-    for seq in (16, 32, 64, 128, 256, 512):
-        q, k, v = (torch.randn(4, 8, seq, 32, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
-        f, b = _forward_backward(dev, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                 (q, k, v), dispatch, sync)
-        fwd.append(f)
-        bwd.append(b)
-    return {f"attn.{tag}": fwd, f"attn_bwd.{tag}": bwd}
+    """Causal attention with heads of 32: 8 to 512 heads (x batch) over 16 positions, where the cost goes
+    with the tensors' size (the CPU's bf16 backward: ~100 ns per element), and 8 heads over 64 to 512."""
+    short = [((h // 8, 8, 16, 32),) * 3 for h in (8, 32, 128, 512)]
+    long = [((1, 8, seq, 32),) * 3 for seq in (64, 128, 256, 512)]
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    return _heavy_curves(dev, dtype, tag, "attn", sdpa, "_scaled_dot_product_flash_attention_for_cpu",
+                         (short, long), dispatch, sync)
 
 
 def _binary(x, y, out):
@@ -364,17 +400,15 @@ def _special(x, y, out):
 
 
 def _elementwise_curve(dev, dtype, fn, dispatch, sync) -> list:
-    """[bytes moved, seconds] of `fn` on tensors of 16 KiB to 16 MiB (fp32: fresh outputs stay under LARGE_ALLOC), each call on tensors not
-    touched since at least 96 MiB of others: a step's tensors come from memory, not from cache."""
+    """[bytes moved, seconds] of `fn` on tensors of 16 KiB to 16 MiB (fp32; fresh outputs stay under
+    LARGE_ALLOC), cold (`_cold`)."""
     pts = []
     for numel in (4096, 65536, 2**20, 2**22):
-        sets = [tuple(torch.randn(numel // 256, 256, device=dev, dtype=dtype) for _ in range(3))
-                for _ in range(max(1, 96 * 2**20 // (3 * numel * dtype.itemsize)))]
-        turn = iter(range(1 << 62))
-        tensors = fn(*sets[0])
-        seconds = _time(lambda: fn(*sets[next(turn) % len(sets)]), sync=sync)
+        nxt = _cold(lambda: tuple(torch.randn(numel // 256, 256, device=dev, dtype=dtype) for _ in range(3)),
+                    3 * numel * dtype.itemsize)
+        tensors = fn(*nxt())
+        seconds = _time(lambda: fn(*nxt()), sync=sync)
         pts.append([tensors * numel * dtype.itemsize, _kernel(seconds, dispatch * (tensors // 3))])
-        del sets
     return pts
 
 
@@ -439,7 +473,9 @@ def _problems(profile: Profile, repeats: dict, other_cores: float | None) -> lis
             out.append(f"the {what} measured {first * 1e6:.1f} us, then {second * 1e6:.1f} us")
     named = {f"matmul.{k}": v for k, v in profile.matmul.items()} | (profile.curves or {})
     for key, pts in named.items():
-        if any(later * REPEAT_SPREAD < earlier for (_, earlier), (_, later) in zip(pts, pts[1:])):
+        if pts[0][1] > MAX_SMALL_OP:
+            out.append(f"{key}: its smallest size took {pts[0][1] * 1e3:.1f} ms")
+        elif any(later * CURVE_DIP < earlier for (_, earlier), (_, later) in zip(pts, pts[1:])):
             out.append(f"{key}: a larger size ran faster than a smaller one")
     if other_cores is not None and other_cores > BUSY_CORES:
         out.append(f"other processes used {other_cores:.1f} cores meanwhile")
@@ -559,7 +595,7 @@ def profile_for(dev: Device) -> Profile:
         why = "no calibration yet" if profile is None else stale(profile)
         if why:
             kind = "CPU" if dev.kind == "cpu" else "GPU"
-            print(f"memfit: calibrating this {kind} for step times ({why}; ~20 s), cached at {profile_path(key)}",
+            print(f"memfit: calibrating this {kind} for step times ({why}; ~30 s), cached at {profile_path(key)}",
                   file=sys.stderr, flush=True)
             profile = calibrate("cpu" if dev.kind == "cpu" else "cuda")
             save_profile(profile, key)  # a suspect one too: measured again in an hour, not at every plan
