@@ -419,3 +419,19 @@ def test_cli_calibrate_refuses_a_suspect_calibration(tmp_path, monkeypatch, capf
     assert main(["calibrate"]) == 0
     out = capfd.readouterr().out
     assert "us per op" in out and costmodel.profile_path(costmodel.cpu_key()).is_file()
+
+
+def test_a_family_prices_any_micro_batch_as_a_full_trace_does():
+    """Probes at micro-batches 1 and 2 stand for any micro-batch. Their op lists differ (a reshape is a
+    view at 1 and a copy at 2): ops are matched one by one, not totals extrapolated 32-fold."""
+    from memfit.memory.estimate import probe, probe_pair
+    from memfit.planner.search import _Family
+    wl = builtin("sort")
+    probes, _ = probe_pair(wl, Config(precision="bf16"), get_device("cpu"))
+    assert probes[0].ops.name != probes[1].ops.name
+    family = _Family(Config(precision="bf16"), probes)
+    full = probe(wl, Config(micro_batch=32, precision="bf16")).ops
+    # elementwise ops with a fixed cost (10 us up to 1 MB): a step's time is not linear in the micro-batch
+    fixed = Profile(**{**CURVED.to_dict(), "curves": {
+        **CURVED.curves, **{f"elementwise.{t}": [[1e3, 1e-5], [1e6, 1.1e-5], [1e9, 0.05]] for t in ("f32", "lp")}}})
+    assert family.seconds(fixed, 32, 1) == pytest.approx(step_seconds(fixed, full), rel=0.01)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from memfit.memory.devices import Device
 from memfit.memory.tracker import OpRecorder, OpTrace
 
-PROFILE_VERSION = 4  # a cached profile of another version is measured again
+PROFILE_VERSION = 5  # a cached profile of another version is measured again
 # When a cached profile is measured again (`stale`): another profile version; another torch version, CPU
 # model or thread count; older than MAX_AGE_DAYS; or, if its figures looked wrong, older than an hour.
 MAX_AGE_DAYS = 30

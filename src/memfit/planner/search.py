@@ -9,9 +9,11 @@ confirmed by a full estimate before one is chosen.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 
+import torch
 
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
@@ -107,18 +109,34 @@ class _Family:
 
     def seconds(self, profile: Profile, m: int, accum: int) -> float:
         o1, o2 = (p.ops for p in self.probes)
-        if len(o1) != len(o2):  # op lists differ (data-dependent): scale totals
-            return accum * self.line.at(step_seconds(profile, o1), step_seconds(profile, o2), m)
         if self._tables is None:
-            self._tables = (OpTable(o1), OpTable(o2))
-        t1, t2 = self._tables
-        flops = self.line.at(t1.flops, t2.flops, m).clamp(min=0)
-        nbytes = self.line.at(t1.bytes, t2.bytes, m).clamp(min=0)
-        alloc = self.line.at(t1.alloc, t2.alloc, m).clamp(min=0)
+            self._tables = _aligned(o1, o2, self.sizes)
+        (flops1, bytes1, alloc1), t2 = self._tables
+        flops = self.line.at(flops1, t2.flops, m).clamp(min=0)
+        nbytes = self.line.at(bytes1, t2.bytes, m).clamp(min=0)
+        alloc = self.line.at(alloc1, t2.alloc, m).clamp(min=0)
         micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
         rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
         moved = self.line.at(o1.moved_bytes, o2.moved_bytes, m) if profile.kind == "cuda" else 0.0
         return accum * micro + rest + accum * moved / profile.link_bandwidth
+
+
+def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
+    """The second probe's op table, and the first probe's FLOPs, bytes and fresh allocations row by row
+    onto the second's ops. The lists differ where the micro-batch changes an op (a reshape is a view at
+    micro-batch 1 and a copy at 2; every op after it shifts): each op of the second is matched to the same
+    op of the first (difflib), and one the first lacks is taken as growing with the micro-batch."""
+    t1, t2 = OpTable(o1), OpTable(o2)
+    index = torch.full((len(o2),), -1, dtype=torch.long)
+    for a, b, n in difflib.SequenceMatcher(a=o2.name, b=o1.name, autojunk=False).get_matching_blocks():
+        index[a:a + n] = torch.arange(b, b + n)
+    found = index >= 0
+    first = []
+    for field in ("flops", "bytes", "alloc"):
+        values = getattr(t2, field) * (sizes[0] / sizes[1])
+        values[found] = getattr(t1, field)[index[found]]
+        first.append(values)
+    return tuple(first), t2
 
 
 def _family_name(cfg: Config) -> str:
