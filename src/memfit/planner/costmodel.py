@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,8 @@ SUSPECT_AGE = 3600.0
 # was kept for good. Checks (`_problems`): per-op cost over MAX_OP_OVERHEAD; figures measured twice (start
 # and end) that differ by more than REPEAT_SPREAD; a curve whose smallest size takes over MAX_SMALL_OP, or
 # whose larger size ran faster than a smaller one by more than CURVE_DIP; other processes using more
-# than BUSY_CORES cores meanwhile. A suspect calibration is
-# measured once more, then kept for an hour with a warning.
+# than BUSY_CORES cores meanwhile. A suspect calibration is measured once more, then kept for an hour
+# with a warning (`memfit calibrate` refuses to save one).
 MAX_OP_OVERHEAD = 200e-6
 CURVE_DIP = 2.0  # a larger size may run faster than a smaller one by this much (tiny sizes are noisy)
 MAX_SMALL_OP = 5e-3  # the smallest size of a curve takes microseconds (the CPU's bf16 attention backward: 2 ms)
@@ -217,21 +218,23 @@ def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0) -> fl
 # ------------------------------------------------------------------------------------------ calibration
 
 def _time(fn, sync=lambda: None, budget: float = 0.1) -> float:
-    """Seconds per call: the best of many short rounds (~5 ms each, 3 to 15 of them within `budget`). On a
-    machine another process shares, a round that ran while the cores were free is then the one kept."""
+    """Seconds per call: the median of short rounds (~5 ms each, 5 to 15 of them within `budget`). The
+    median, not the best: a step's ops run at the machine's usual speed. On a 2-core VM the best of a few
+    calls priced gpt-tiny's bf16 step at 65 ms where it took 116; the median, at 94 ms. A busy machine,
+    which moves the median, is caught by `_problems`."""
     start = time.perf_counter()
     fn()
     sync()
     first = max(time.perf_counter() - start, 1e-7)
     reps = max(1, math.ceil(0.005 / first))
-    best = math.inf
-    for _ in range(min(15, max(3, int(budget / (reps * first))))):
+    rounds = []
+    for _ in range(min(15, max(5, int(budget / (reps * first))))):
         start = time.perf_counter()
         for _ in range(reps):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return best
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds)
 
 
 def calibrate(device: str = "cpu", attempts: int = 2) -> Profile:
