@@ -176,7 +176,7 @@ def test_a_model_that_cannot_train_at_micro_batch_1_says_so_and_the_cli_picks_on
     import json
 
     from memfit.cli import main
-    from memfit.memory.estimate import MicroBatchError
+    from memfit.errors import MicroBatchError
     from memfit.memory.summary import summarize
 
     wl = builtin("resnet-tiny")

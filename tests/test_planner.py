@@ -215,11 +215,11 @@ def test_a_workload_that_raises_is_one_clear_error():
         plan(wl, 8, budget="1GiB", profile=FLAT)
 
 
-def test_a_model_that_cannot_train_at_micro_batch_1_is_planned_from_2(gpt):
-    from memfit.memory.estimate import MicroBatchError
+def test_a_model_that_cannot_train_at_micro_batch_1_is_planned_from_2():
+    from memfit.errors import MicroBatchError
 
     wl = builtin("resnet-tiny")
-    p = plan(wl, 8, budget="1GiB", precision="fp32", activation_checkpoint="none", profile=FLAT)
+    p = plan(wl, 8, budget="1GiB", precision="fp32", activation_checkpoint="none", profile=FLAT, confirm=1)
     assert p.config.micro_batch >= 2 and p.config.global_batch == 8
     assert any("cannot train at micro-batch 1" in n and "probed at 2 and 4" in n for n in p.notes)
     assert all(a.config.micro_batch >= 2 for a in p.alternatives)
