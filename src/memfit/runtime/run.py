@@ -42,6 +42,9 @@ SCHEDULES = ("cosine", "onecycle", "constant")
 
 @dataclasses.dataclass
 class RunResult:
+    """What `train` returns: the run folder (`out`: checkpoints, metrics.jsonl, report.json, plots), the steps
+    done, the final configuration (OOM recovery may have moved it), the last loss, every metrics record and
+    the report (predicted vs measured per configuration)."""
     out: Path
     steps: int
     config: Config
@@ -418,14 +421,40 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
-    schedule: cosine (warm-up, then down to 10%), onecycle or constant; None: as the run being resumed was
-    started (cosine for a new run).
-    deterministic: kernels and thread count fixed (see `deterministic_mode`) so that a run resumed after an
-    interruption ends bit for bit where the uninterrupted run ends, on the same machine and PyTorch build.
-    None: as the run being resumed was started (off for a new run).
+    Args:
+        workload: the job (`Workload`).
+        steps: optimizer steps of the whole run (a resume runs up to it).
+        global_batch: samples per optimizer step; accumulation makes it up whatever the micro-batch.
+        budget: memory to fit in: bytes, ``"24GiB"``, ``"80GB"`` or ``"50%"`` of the device. On a CPU it is a
+            virtual device of that size (an allocation past it raises ``torch.OutOfMemoryError``, which OOM
+            recovery handles); on a GPU, the process's memory fraction. None: no limit.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (the device present).
+        config: the configuration to start from (its ``grad_accum`` is recomputed for `global_batch`).
+        micro_batch: start from this micro-batch instead of planning.
+        precision: the precision of a run not planned; None: the device's default (``defaults_for``).
+        seed: seeds the initial weights, the data and dropout.
+        out: the run folder (default: a new one under ``./runs/``).
+        checkpoint_every: save training state every N steps (always at the end and on Ctrl-C).
+        resume: continue from the newest intact checkpoint in `out`, after checking it belongs to this run.
+        schedule: cosine (warm-up, then down to 10%), onecycle or constant; None: as the run being resumed
+            was started (cosine for a new run).
+        warmup: warm-up steps of the cosine schedule (default: 5% of the run).
+        progress: show a progress bar.
+        console: a ``rich.console.Console`` for the run's messages.
+        deterministic: kernels and thread count fixed (see `deterministic_mode`) so that a run resumed after
+            an interruption ends bit for bit where the uninterrupted run ends, on the same machine and
+            PyTorch build. None: as the run being resumed was started (off for a new run).
+
+    Returns:
+        `RunResult`: the run folder, steps done, final configuration and loss, metrics and the report.
 
     Ctrl-C finishes the step, writes a checkpoint and the report, then raises KeyboardInterrupt; a second
     Ctrl-C stops at once. A non-finite loss raises RunError without saving anything of that step.
+
+    Example::
+
+        result = train(builtin("sort"), steps=100, global_batch=64, budget="64MiB", out="runs/sort")
+        result.report["samples_per_second"], result.final_loss
     """
     from rich.console import Console
 
