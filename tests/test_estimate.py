@@ -89,19 +89,6 @@ def test_optimizers_match_the_profiler():
         assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01), opt
 
 
-def test_data_dependent_routing_falls_back_to_a_labelled_real_measurement(monkeypatch):
-    wl = models.moe()
-    est = memfit.estimate(wl, Config(micro_batch=4))
-    assert est.method == "measured"
-    assert "fake tensors could not follow" in est.notes[0] and "nonzero" in est.notes[0]
-    assert est.peak_bytes == pytest.approx(real_step_peak(wl, Config(micro_batch=4)), rel=0.02)
-    # a large micro-batch is measured at full size when host memory allows, else extrapolated
-    assert memfit.estimate(wl, Config(micro_batch=16)).method == "measured"
-    monkeypatch.setattr(memfit.memory.estimate, "_free_host_bytes", lambda: 1)
-    big = memfit.estimate(wl, Config(micro_batch=16))
-    assert big.method == "extrapolated" and "extrapolated linearly" in big.notes[0]
-
-
 def test_a_crash_inside_the_step_becomes_a_clear_error():
     def loss(model, batch):
         if not isinstance(batch, torch.Tensor) or type(batch).__name__ != "FakeTensor":

@@ -33,6 +33,19 @@ class EstimateError(MemfitError):
     """The step could not be traced, measured or extrapolated."""
 
 
+class HostMemoryError(EstimateError):
+    """Fake tensors could not follow the step, and a real CPU step to measure instead might not fit in a safe
+    share of the host's free memory, so none was run. `partial` is what could be traced: the state floor and
+    how far the fake step got (plain data, so it crosses from a tracing child)."""
+
+    def __init__(self, message: str, partial: dict | None = None):
+        self.partial = partial or {}
+        super().__init__(message)
+
+    def __reduce__(self):
+        return HostMemoryError, (str(self), self.partial)
+
+
 class PlanError(MemfitError):
     """Nothing fits, or the request cannot be planned; the message says what would make it fit."""
 

@@ -20,17 +20,18 @@ import os
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, EstimateError, MicroBatchError, WorkloadError
+from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quiet_fake_errors
-from memfit.memory.isolate import run_isolated
+from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.torch_internals import grad_scaler_tensors, storage_key
+from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
 __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchError", "MicroBatchLine", "Phase",
@@ -150,8 +151,9 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
         raise
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = first_line(fake_error)
+        partial = getattr(fake_error, "memfit_partial", None)
     try:
-        return run(lambda: _fallback(workload, config, dev, reason))
+        return run(lambda: _fallback(workload, config, dev, reason, partial))
     except WorkloadError:  # the real step failed too: at micro-batch 1, say whether 2 would train
         if config.micro_batch != 1 or not _traces_at(run, workload, config, dev, PROBES_WITHOUT_1[0]):
             raise
@@ -265,6 +267,11 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     try:  # the recorder on top: it sees each op as the step issues it, before the counter does
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker, recorder:
             step(batch)
+    except Exception as e:
+        if mode is not None:  # what the fake step got through, for the fallback's host check and its message
+            with contextlib.suppress(Exception):
+                e.memfit_partial = _partial(step, tracker, saved)
+        raise
     finally:
         scope.remove()
         tracker.close()
@@ -397,24 +404,76 @@ def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
 
 # ------------------------------------------------------------------------------------------- fallback
 
-def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> Probe:
-    """Fake tensors could not follow the step: measure real CPU steps instead. Small micro-batches are
-    measured as asked. Larger ones are first measured at a quarter and a half of the size; if the straight
-    line through those predicts a step that fits comfortably in free host memory, the real size is measured
-    too (data-dependent models are not linear: a top-2 MoE was 7% off extrapolated), else the line is used.
+# A real CPU step measured in place of a trace may use at most this share of the host's available memory.
+SAFE_HOST_SHARE = 0.5
+
+
+def _partial(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict:
+    """How far a fake step got before it raised: where, the bytes live then by category, and the modules
+    holding the most activations and temporaries."""
+    labels = _labels(step, tracker, saved)
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    by_module: dict[str, int] = {}
+    for key, nbytes in tracker.live.items():
+        by_category[labels[key]] += nbytes
+        if labels[key] in (Category.ACTIVATIONS, Category.TEMPORARIES):
+            module = tracker.infos[key].module
+            by_module[module] = by_module.get(module, 0) + nbytes
+    module, phase, op = tracker.failed_at or ("?", tracker.phase, "?")
+    # gradients are freed between steps in this trace (zero_grad(set_to_none)); the floor counts them
+    grads = sum(p.numel() * p.element_size() for p in {id(p): p for p in step.model.parameters()}.values()
+                if p.requires_grad) if step.optimizer_offload is None else by_category[Category.GRADIENTS]
+    return {"module": module, "phase": str(phase), "op": op, "live_bytes": tracker.current,
+            "state_bytes": by_category[Category.PARAMETERS] + by_category[Category.OPTIMIZER_STATE] + grads,
+            "breakdown": {str(c): n for c, n in by_category.items()},
+            "modules": sorted(by_module.items(), key=lambda kv: -kv[1])[:8]}
+
+
+def _host_allowance(workload: Workload, config: Config, reason: str, partial: dict | None) -> int:
+    """The host memory a real CPU step may take, after checking that what is already known it needs (the
+    state floor, the bytes the fake step had live when it stopped) fits in the safe share; else
+    HostMemoryError with what could be traced, and no real step."""
+    allowance = int(SAFE_HOST_SHARE * available_host_bytes())
+    known = dict(partial or {})
+    if not known.get("state_bytes"):
+        with contextlib.suppress(Exception):  # the model may not even build on fake tensors
+            known["state_bytes"] = state_bytes(workload, config, "cpu")
+    need = max(known.get("live_bytes", 0), known.get("state_bytes", 0))
+    if need <= allowance:
+        return allowance
+    where = (f"; the fake step stopped in {known['module']} ({known['phase']}, {known['op']}) with "
+             f"{fmt_bytes(known['live_bytes'])} live" if "module" in known else "")
+    modules = ", ".join(f"{m} {fmt_bytes(n)}" for m, n in known.get("modules", []) if not m.startswith("("))
+    raise HostMemoryError(
+        f"{workload.name}: fake tensors could not follow the step ({reason}); measuring a real CPU step instead "
+        f"needs at least {fmt_bytes(need)}, more than the safe share of this host ({fmt_bytes(allowance)}, "
+        f"{SAFE_HOST_SHARE:.0%} of what is available), so none was run. Traced: model state "
+        f"{fmt_bytes(known.get('state_bytes', 0))}{where}" + (f"; largest modules then: {modules}" if modules else ""),
+        known)
+
+
+def _fallback(workload: Workload, config: Config, dev: Device, reason: str, partial: dict | None = None) -> Probe:
+    """Fake tensors could not follow the step: measure real CPU steps instead, never one that may not fit
+    the host (`_host_allowance` before, `host_memory_guard` during). Small micro-batches are measured as
+    asked. Larger ones are first measured at a quarter and a half of the size; if the straight line
+    through those predicts a step that fits comfortably in the allowance, the real size is measured too
+    (data-dependent models are not linear: a top-2 MoE was 7% off extrapolated), else the line is used.
     The op trace kept is the largest measured step's."""
     m = config.micro_batch
+    allowance = _host_allowance(workload, config, reason, partial)
     try:
-        if m <= 8:
-            points, small = [_trace(workload, config, dev, fake=False)], [m]
-        else:
-            small = [m // 4, m // 2]
-            points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
-            line = MicroBatchLine(*small)
-            predicted = line.at(points[0].estimate.peak_bytes, points[1].estimate.peak_bytes, m)
-            if predicted < 0.5 * _free_host_bytes():
+        with host_memory_guard(allowance, f"a real CPU step of {workload.name} (measured because fake tensors "
+                                          f"could not follow it: {reason})"):
+            if m <= 8:
                 points, small = [_trace(workload, config, dev, fake=False)], [m]
-    except ConfigError:
+            else:
+                small = [m // 4, m // 2]
+                points = [_trace(workload, config.replace(micro_batch=k), dev, fake=False) for k in small]
+                line = MicroBatchLine(*small)
+                predicted = line.at(points[0].estimate.peak_bytes, points[1].estimate.peak_bytes, m)
+                if predicted < 0.5 * allowance:
+                    points, small = [_trace(workload, config, dev, fake=False)], [m]
+    except (ConfigError, EstimateError):
         raise
     except Exception as e:
         raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
@@ -444,6 +503,3 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str) -> P
                         f"linearly to {config.micro_batch}; data-dependent memory may differ on other data")
     return points[-1]
 
-
-def _free_host_bytes() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

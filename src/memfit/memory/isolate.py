@@ -2,19 +2,24 @@
 killing memfit, and fake tracing (single-threaded Python) uses every core."""
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
 import signal
 import tempfile
+import threading
 import time
 from typing import Callable, TypeVar
 
 import torch
 
 from memfit.errors import EstimateError
+from memfit.units import fmt_bytes
 
 T = TypeVar("T")
+
+_result_path: str | None = None  # set in a forked child: where its result goes
 
 
 def run_isolated(fn: Callable[[], T]) -> T:
@@ -63,6 +68,8 @@ def _wait_any(pids) -> tuple[int, int]:
 
 
 def _child(fn: Callable, path: str) -> None:
+    global _result_path
+    _result_path = path
     torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
     faulthandler.disable()  # a crash is reported by the parent, in one line
     try:
@@ -71,10 +78,75 @@ def _child(fn: Callable, path: str) -> None:
         try:
             pickle.dumps(e)
             result = ("error", e)
-        except Exception:  # not picklable: keep its name and first line
-            result = ("error", EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        except Exception:  # not picklable: keep its name, first line and the notes memfit attached to it
+            error = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            error.memfit_partial = getattr(e, "memfit_partial", None)
+            result = ("error", error)
+    _write_and_exit(path, result)
+
+
+def _write_and_exit(path: str, result) -> None:
     try:
         with open(path, "wb") as f:
             pickle.dump(result, f)
     finally:
         os._exit(0)
+
+
+def available_host_bytes() -> int:
+    """Memory the host can give without swapping: MemAvailable (free + reclaimable cache) where Linux says
+    it, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_bytes(field: str) -> int | None:
+    """VmRSS (now) or VmHWM (the peak so far; a forked child's starts at its size when forked)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def host_memory_guard(limit_bytes: int, what: str, poll_s: float = 0.01):
+    """Inside a child of `run_isolated`, end the child with an EstimateError as soon as its peak resident
+    memory has grown by more than `limit_bytes` (polled every `poll_s`, checked once more at the end, so a
+    peak between polls is caught too): a real step that turns out larger than foreseen stops long before
+    the host swaps. Elsewhere (no fork, no /proc) it does nothing."""
+    path, start = _result_path, _resident_bytes("VmRSS")
+    if path is None or start is None:
+        yield
+        return
+    done = threading.Event()
+    error = EstimateError(f"stopped {what}: it grew past {fmt_bytes(limit_bytes)} of host memory, the safe share "
+                          "of what the host had available")
+
+    def over() -> bool:
+        peak = _resident_bytes("VmHWM")
+        return peak is not None and peak - start > limit_bytes
+
+    def watch():
+        while not done.wait(poll_s):
+            if over():
+                _write_and_exit(path, ("error", error))
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    if over():
+        raise error

@@ -120,6 +120,7 @@ class LiveBytes(_Scoped):
         self._uids: dict[int, int] = {}  # storage key -> id, live storages only
         self._next_uid = 0
         self._active = True
+        self.failed_at: tuple[str, Phase, str] | None = None  # (module, phase, op) of the first op that raised
 
     # -- what the step tells the tracker
     def mark(self, phase: str) -> None:
@@ -212,7 +213,12 @@ class LiveBytes(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
+        try:
+            out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
+        except Exception:
+            if self.failed_at is None:  # the module stack unwinds as the error leaves: note where it was
+                self.failed_at = (self.module, self.phase, getattr(func, "__name__", str(func)))
+            raise
         if self._active:
             name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
             for t in _tensors(out):
