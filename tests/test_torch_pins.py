@@ -14,6 +14,7 @@ from memfit.memory.fake import FakeTensor, FlopCounterMode, is_fake, new_fake_mo
 def test_the_shim_exports_only_what_is_pinned_here():
     pinned = {"FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
+    pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
     assert set(ti.__all__) == pinned
 
 
@@ -106,3 +107,25 @@ def test_profiler_sees_an_ops_surviving_allocations():
 
 def test_fake_tensor_errors_are_logged_under_the_pinned_logger_name():
     assert ti.FAKE_TENSOR_LOGGER in logging.Logger.manager.loggerDict
+
+
+def test_a_detach_inside_a_dispatch_mode_can_share_the_version_counter():
+    """Selective checkpointing keeps detached matmul outputs and must see them modified in place later. A
+    plain detach inside a TorchDispatchMode gets a counter of its own; if that ever changes, the shim can go."""
+    kept = []
+
+    class Keep(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                kept.extend([out.detach(), ti.detach_sharing_version(out)])
+            return out
+
+    x = torch.randn(3, 3, requires_grad=True)
+    with Keep():
+        y = x @ x
+    before = [ti.tensor_version(t) for t in kept]
+    y.mul_(2)
+    plain, shared = kept
+    assert ti.tensor_version(plain) == before[0] and ti.tensor_version(shared) == before[1] + 1 == ti.tensor_version(y)
+    assert shared.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and not shared.requires_grad

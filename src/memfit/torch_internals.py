@@ -11,8 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
-           "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"]
+__all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "detach_sharing_version",
+           "grad_scaler_tensors", "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key",
+           "tensor_version", "tree_leaves"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -23,6 +24,20 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage."""
     storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
     return storage._cdata
+
+
+def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
+    """`t.detach()` called inside a TorchDispatchMode, sharing `t`'s version counter as a detach above
+    the mode would: there the autograd keys are excluded, and a detach made without ADInplaceOrView gets a
+    counter of its own, so an in-place change of `t` would go unseen (torch.utils.checkpoint's selective
+    cache re-includes the key the same way)."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How many times `t`'s data was modified in place (shared by its views and version-sharing detaches)."""
+    return t._version
 
 
 def grad_scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:

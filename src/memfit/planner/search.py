@@ -359,6 +359,26 @@ def price(workload: Workload, config: Config, device: str | Device = "cpu",
     return p.estimate, _seconds(profile or profile_for(dev), p, config)
 
 
+def refusals(workload: Workload, configs: list[Config], device: str | Device = "cpu") -> list[str | None]:
+    """For each configuration, why its strategies cannot run on this model, in words, or None when they
+    can: the planner's fake probe of it (micro-batches 1 and 2, or 2 and 4), traced in forked children.
+    OOM recovery asks this before it moves a running job to a checkpointing it has not run. A model the
+    fake trace cannot follow even without checkpointing cannot be judged this way, and is not refused."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    small = [c.replace(micro_batch=1, grad_accum=1) for c in configs]
+    results = run_isolated_many([functools.partial(probe_pair, workload, c, dev) for c in small])
+    out = [None if kind == "ok" else f"cannot apply: {value}" if isinstance(value, ConfigError)
+           else f"tracing it raised {first_line(value)}" for kind, value in results]
+    raised = [i for i, (kind, value) in enumerate(results) if kind != "ok" and not isinstance(value, ConfigError)]
+    if raised:
+        plain = small[raised[0]].replace(activation_checkpoint="none")
+        [(kind, _)] = run_isolated_many([functools.partial(probe_pair, workload, plain, dev)], workers=1)
+        if kind != "ok":  # the model itself does not trace: no verdict on the strategies
+            for i in raised:
+                out[i] = None
+    return out
+
+
 def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, rates):
     n = len(full.probes[0].estimate.blocks)
     out, shares = [], set()

@@ -231,6 +231,7 @@ class _Run:
         self.metrics_path = out / "metrics.jsonl"
         self.stop_requested = False
         self.saved_step: int | None = None  # the newest checkpoint this run wrote or resumed from
+        self.refusals: dict = {}  # activation checkpointing -> why its probe failed, or None
         self.tracker = None
         if budget is not None and device == "cpu":  # a virtual device: count live bytes, OOM past the budget
             self.tracker = LiveBytes("cpu", budget=budget, detail=False)
@@ -332,15 +333,34 @@ class _Run:
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         old = self.trainer.config
-        for cand in recovery_ladder(old, self.global_batch):
+        skipped = []
+        ladder = recovery_ladder(old, self.global_batch)
+        for i, cand in enumerate(ladder):
+            if cand.activation_checkpoint != old.activation_checkpoint:  # a strategy the run has not run yet
+                self._probe([c for c in ladder[i:] if c.activation_checkpoint != old.activation_checkpoint])
+                if self.refusals[cand.activation_checkpoint]:
+                    skipped.append(f"activation checkpointing {cand.activation_checkpoint} not tried: "
+                                   f"{self.refusals[cand.activation_checkpoint]}")
+                    continue
             self.trainer.reconfigure(cand)
-            msg = (f"step {step}: out of memory ({phase}) at {old.describe()}; redoing the same global batch with "
-                   f"{cand.describe()}")
+            msg = "; ".join([f"step {step}: out of memory ({phase}) at {old.describe()}", *skipped,
+                             f"redoing the same global batch with {cand.describe()}"])
             self.console.print(f"[yellow]{msg}[/]")
             return msg
         path = self.save(step)
-        raise RunError(f"step {step}: out of memory at {old.describe()} and nothing smaller is left to try; "
-                       f"checkpoint written to {path}") from oom
+        raise RunError("; ".join([f"step {step}: out of memory at {old.describe()} and nothing smaller is left to "
+                                  f"try", *skipped, f"checkpoint written to {path}"])) from oom
+
+    def _probe(self, configs: list[Config]) -> None:
+        """Verify each checkpointing among `configs` not verified yet with a fake probe (together, in forked
+        children): `self.refusals` maps it to why it cannot run on this model, or None."""
+        from memfit.planner.search import refusals
+
+        todo = list({c.activation_checkpoint: c for c in configs
+                     if c.activation_checkpoint not in self.refusals}.values())
+        if todo:
+            verdicts = refusals(self.workload, todo, get_device(self.device))
+            self.refusals.update({c.activation_checkpoint: why for c, why in zip(todo, verdicts)})
 
     def _log_event(self, step: int, text: str) -> None:
         with open(self.metrics_path, "a") as f:

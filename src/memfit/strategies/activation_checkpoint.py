@@ -8,13 +8,17 @@ and recomputes only the cheap pointwise ops around them.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import inspect
+import weakref
 from collections import defaultdict
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
 
 from memfit.config import ConfigError
+from memfit.torch_internals import TorchDispatchMode, detach_sharing_version, storage_key, tensor_version, tree_leaves
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -73,10 +77,129 @@ def _selective_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Values that name themselves in a call's name; anything else an op is given is named by its type.
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _Names:
+    """A name for every tensor a checkpointed region computes, given by how it was computed: an op's
+    outputs are named by the op and the names of its arguments; a tensor from outside the region (a weight,
+    the block's input) by its storage, layout and version, which are the same when the region is
+    recomputed. Names are hashes; equal names mean the same op on the same values, whatever else the
+    region did before (a cache filled on the first call only, ops under no_grad, a mask built twice)."""
+
+    def __init__(self):
+        self.made: dict[int, tuple] = {}  # id(tensor) -> (weak reference, name)
+
+    def of(self, a):
+        if not isinstance(a, torch.Tensor):
+            return a if isinstance(a, _PLAIN) else type(a)
+        made = self.made.get(id(a))
+        if made is not None and made[0]() is a:
+            return made[1]
+        return hash((storage_key(a), tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, tensor_version(a)))
+
+    def call(self, func, args, kwargs) -> int:
+        return hash((func, *(self.of(a) for a in tree_leaves((args, kwargs)))))
+
+    def name_outputs(self, out, call: int) -> None:
+        for i, t in enumerate(tree_leaves(out)):
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = (weakref.ref(t), hash((call, i)))
+
+
+def _detached(out):
+    """An op's output (a tensor, or a tuple or list of them) detached, on the same version counter."""
+    if isinstance(out, torch.Tensor):
+        return detach_sharing_version(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detached(o) for o in out)
+    return out
+
+
+def _versions(out) -> list[int]:
+    return [tensor_version(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+class _Keep(TorchDispatchMode):
+    """The checkpointed forward: runs every op, names its outputs, and keeps the outputs the policy
+    saves under the name of the call, oldest first."""
+
+    def __init__(self, kept: dict):
+        super().__init__()
+        self.kept, self.names = kept, _Names()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = self.names.call(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.names.name_outputs(out, call)
+        policy = _selective_policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            # detached: a kept output must not hold the graph that holds this mode (the reference cycle would
+            # keep every block's outputs until the garbage collector runs)
+            kept = _detached(out)
+            self.kept.setdefault(call, collections.deque()).append((kept, _versions(kept)))
+        return out
+
+
+class _Reuse(TorchDispatchMode):
+    """The recomputation: a call with the name of a kept one gets its output (once), unless that output
+    was modified in place since; every other call runs. torch's own selective checkpointing matches calls
+    by how many times each op has run, and raises, or hands one call's output to another, when the
+    recomputation runs an op more or fewer times than the forward did (transformers' Llama with its
+    default KV cache: "aten.slice.Tensor invocation index 4 ... not found")."""
+
+    def __init__(self, kept: dict):
+        super().__init__()
+        self.kept, self.names = kept, _Names()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = self.names.call(func, args, kwargs)
+        queue = self.kept.get(call)
+        out = None
+        if queue:
+            kept, versions = queue.popleft()
+            if versions == _versions(kept):
+                out = kept
+        if out is None:
+            out = func(*args, **kwargs)
+        self.names.name_outputs(out, call)
+        return out
+
+
+# Arguments through which transformers' decoder layers read and write a key-value cache.
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A checkpointed layer given a key-value cache writes its keys and values into it in the forward and
+    again when recomputed, and the recomputation then attends over both (other shapes, other ops).
+    Training never reads the cache back, so, as transformers' own gradient checkpointing does, a
+    checkpointed layer gets none (by keyword or by position: GPT-2 passes it second). Only transformers'
+    layers carry the flag read here (False for layers that write a cache); other modules are left alone."""
+    module = getattr(forward, "__self__", None)
+    if getattr(module, "_can_checkpoint_with_cache", True) or not torch.is_grad_enabled():
+        return args, kwargs
+    bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    for name in _CACHE_ARGS:
+        if bound.arguments.get(name) is not None:
+            bound.arguments[name] = None
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+    return bound.args, bound.kwargs
+
+
+def _contexts():
+    kept: dict = {}
+    return _Keep(kept), _Reuse(kept)
+
+
 def _checkpointed(forward, selective: bool, *args, **kwargs):
+    args, kwargs = _without_cache(forward, args, kwargs)
     if selective:
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -23,6 +23,8 @@ MISSING = "transformers is not installed: pip install 'memfit[hf]'"
 SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048),
+    "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048),
     "gpt2": dict(n_embd=128, n_layer=2, n_head=4, vocab_size=1000, n_positions=1024, bos_token_id=0,
                  eos_token_id=0),
     "bert": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
