@@ -4,7 +4,10 @@ Blocks are found, not declared: the repeated modules inside `nn.ModuleList` / `n
 (a transformer's layers, a ResNet's bottlenecks). Each chosen block's `forward` is wrapped in
 `torch.utils.checkpoint.checkpoint(use_reentrant=False)`; module names and state_dict keys do not change.
 "selective" checkpoints every block but keeps the outputs of matmuls and attention (expensive to redo)
-and recomputes only the cheap pointwise ops around them.
+and recomputes only the cheap pointwise ops around them; a kept output goes to the recomputed call that
+computes the same op on the same values (`_Names`), so a block may run its ops a different number of
+times when recomputed. Not seen by any trace: checkpoint() keeps a copy of the CPU RNG state (5,056
+bytes) per checkpointed block call, made outside the dispatcher.
 """
 from __future__ import annotations
 
