@@ -15,6 +15,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned = {"FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
+    pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     assert set(ti.__all__) == pinned
 
 
@@ -129,3 +130,19 @@ def test_a_detach_inside_a_dispatch_mode_can_share_the_version_counter():
     plain, shared = kept
     assert ti.tensor_version(plain) == before[0] and ti.tensor_version(shared) == before[1] + 1 == ti.tensor_version(y)
     assert shared.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and not shared.requires_grad
+
+
+def test_autocast_kernels_are_listed_per_dispatch_key():
+    """Even a CPU-only build registers CUDA autocast's kernels: memfit checks its CUDA lists against them."""
+    cuda, cpu = ti.autocast_kernel_ops("AutocastCUDA"), ti.autocast_kernel_ops("AutocastCPU")
+    assert {"mm", "softmax.int", "layer_norm", "sum.dim_IntList", "binary_cross_entropy"} <= cuda
+    assert {"mm", "cat", "cross_entropy_loss"} <= cpu and "softmax.int" not in cpu and "relu" not in cuda | cpu
+    assert "mm.out" not in cuda and "add.Tensor" not in cuda  # out= variants and untouched ops: no kernel
+
+
+def test_autocast_disabled_excludes_autocast_for_what_runs_inside():
+    x = torch.randn(2, 2)
+    with torch.autocast("cpu", dtype=torch.float16):
+        with ti.autocast_disabled():
+            assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        assert (x @ x).dtype == torch.float16 and torch.is_autocast_enabled("cpu")

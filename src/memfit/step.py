@@ -13,7 +13,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import WorkloadError
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
-                               cast_inputs, check_precision, host_side, make_grad_scaler)
+                               cast_inputs, check_precision, host_side, make_grad_scaler, op_policy)
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
@@ -22,12 +22,15 @@ class TrainStep:
     """Builds the model and optimizer for `config` on `device` and performs optimizer steps.
 
     `on_phase` is told "forward", "backward" and "optimizer" as the step enters each (the tracer uses it);
-    `move` carries a micro-batch to the device (the tracer swaps it to model a host-to-GPU copy).
+    `move` carries a micro-batch to the device (the tracer swaps it to model a host-to-GPU copy);
+    `cuda_target`: the step runs on the CPU to stand for a CUDA one, so autocast follows CUDA's op policy.
     """
 
     def __init__(self, workload: Workload, config: Config, device: torch.device | str = "cpu",
-                 on_phase: Callable[[str], None] | None = None, move: Callable[[Batch, torch.device], Batch] = move_batch):
+                 on_phase: Callable[[str], None] | None = None,
+                 move: Callable[[Batch, torch.device], Batch] = move_batch, cuda_target: bool = False):
         self.workload, self.config, self.device = workload, config, torch.device(device)
+        self.cuda_target = cuda_target
         if self.device.type == "cuda":
             check_precision(config, torch.cuda.get_device_name(self.device), torch.cuda.is_bf16_supported())
         with self.device:
@@ -59,19 +62,20 @@ class TrainStep:
         opt.zero_grad(set_to_none=True)
         total = batch_size(batch)
         loss_sum = torch.zeros((), device=self.device)
-        for micro in split_batch(batch, cfg.micro_batch):
-            micro = cast_inputs(self.move(micro, self.device), cfg)
-            weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
-            self._enter("forward")
-            with autocast_context(cfg, self.device), self._offload_hooks():
-                loss = self.workload.loss(model, micro)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
-            self._enter("backward")
-            scaled = loss.float() * weight
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach().float() * weight
-            del micro, loss, scaled
+        with op_policy(cfg, self.cuda_target):  # backward too: checkpointing recomputes under autocast
+            for micro in split_batch(batch, cfg.micro_batch):
+                micro = cast_inputs(self.move(micro, self.device), cfg)
+                weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
+                self._enter("forward")
+                with autocast_context(cfg, self.device, self.cuda_target), self._offload_hooks():
+                    loss = self.workload.loss(model, micro)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
+                self._enter("backward")
+                scaled = loss.float() * weight
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                loss_sum += loss.detach().float() * weight
+                del micro, loss, scaled
         self._enter("optimizer")
         self._optimizer_step()
         self.phase = "idle"

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "detach_sharing_version",
-           "grad_scaler_tensors", "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key",
+__all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "autocast_disabled",
+           "autocast_kernel_ops", "detach_sharing_version", "grad_scaler_tensors", "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key",
            "tensor_version", "tree_leaves"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
@@ -44,6 +44,22 @@ def grad_scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
     """The loss scale and growth tracker a GradScaler keeps on the device once it has scaled a loss
     (no public accessor returns the tensors themselves; `get_scale()` syncs and returns a float)."""
     return [t for t in (scaler._scale, scaler._growth_tracker) if t is not None]
+
+
+def autocast_kernel_ops(dispatch_key: str) -> set[str]:
+    """Every aten op ("name" or "name.overload") with a kernel of its own for `dispatch_key` (e.g.
+    "AutocastCUDA": the ops CUDA autocast casts, registered even in a CPU-only build)."""
+    out = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(qualified, dispatch_key):
+            out.add(qualified[len("aten::"):])
+    return out
+
+
+def autocast_disabled():
+    """The guard an autocast kernel holds while it runs its op: every Autocast dispatch key excluded, so
+    the op and the ops it calls are not cast again (PyTorch's own kernels hold the same guard in C++)."""
+    return torch._C._DisableAutocast()
 
 
 def profiler_memory_timeline(prof) -> list[tuple]:

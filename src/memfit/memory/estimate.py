@@ -220,10 +220,12 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
     with mode or contextlib.nullcontext(), quiet_fake_errors():
         with SameModeDeepcopy() if fake else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
-                             if sizes != [config.global_batch] else config, "cpu", move=move)
+                             if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
+        if cuda_target and config.precision in ("fp16", "bf16"):
+            notes.append("mixed precision traced with CUDA autocast's op policy")
         if cuda_target:
             notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                          "attention save (output + fp32 logsumexp)")

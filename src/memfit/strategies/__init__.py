@@ -11,10 +11,11 @@ import torch
 from memfit.config import Config
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
-from memfit.strategies.precision import autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler
+from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
+                                         op_policy)
 
 __all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
-           "check_precision", "host_side", "make_grad_scaler", "on_host_side"]
+           "check_precision", "host_side", "make_grad_scaler", "on_host_side", "op_policy"]
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:

@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from memfit.config import Config, ConfigError
+from memfit.strategies import cuda_autocast
 from memfit.workload import map_tensors
 
 
@@ -35,17 +36,30 @@ def cast_inputs(batch, config: Config):
     return map_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
 
 
-def autocast_context(config: Config, device: torch.device):
-    if config.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if config.precision == "fp16":
-        return torch.autocast(device.type, dtype=torch.float16)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_context(config: Config, device: torch.device, cuda_target: bool = False):
+    """The forward's autocast. `cuda_target`: a CPU trace of a GPU step, cast as CUDA autocast casts."""
+    dtype = AUTOCAST_DTYPES.get(config.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return cuda_autocast.autocast(dtype) if cuda_target else torch.autocast(device.type, dtype=dtype)
+
+
+def op_policy(config: Config, cuda_target: bool):
+    """CUDA autocast's op policy for a whole CPU-traced step of a GPU target: activation checkpointing
+    re-runs forward ops under autocast inside backward, so the policy spans more than the forward."""
+    if cuda_target and config.precision in AUTOCAST_DTYPES:
+        return cuda_autocast.policy()
     return contextlib.nullcontext()
 
 
 def make_grad_scaler(config: Config, device: torch.device):
     """fp16 gradients underflow without loss scaling; GradScaler finds the largest safe scale and skips
-    steps whose gradients overflowed."""
+    steps whose gradients overflowed. Its code is the same for every device type: a "cpu" scaler keeps
+    what a "cuda" one keeps on the GPU (an fp32 scale, an int32 growth tracker, and while a step unscales,
+    an fp32 found-inf flag and inverse scale per device), so a CPU trace holds a GPU's scaler bytes."""
     if config.precision != "fp16":
         return None
     return torch.amp.GradScaler(device.type)
