@@ -141,7 +141,8 @@ def _map(fn, value):
 
 def _cast(t, dtype: torch.dtype):
     """PyTorch's cached_cast: eligible tensors of another dtype are cast; an fp32 leaf that requires grad
-    (a parameter) cast to the autocast dtype is cast once per region."""
+    (a parameter) cast to the autocast dtype is cast once per region. (PyTorch also skips a leaf that is a
+    view, which only a view made to require grad by hand is: not modelled.)"""
     if not _eligible(t) or t.dtype == dtype:
         return t
     cacheable = (_cache is not None and dtype == torch.get_autocast_dtype("cpu") and t.dtype == torch.float32
