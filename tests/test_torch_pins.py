@@ -16,6 +16,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
     pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
+    pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     assert set(ti.__all__) == pinned
 
 
@@ -146,3 +147,42 @@ def test_autocast_disabled_excludes_autocast_for_what_runs_inside():
         with ti.autocast_disabled():
             assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
         assert (x @ x).dtype == torch.float16 and torch.is_autocast_enabled("cpu")
+
+
+def test_fake_constants_carry_values_and_keep_them_through_small_ops_only_under_a_raised_limit():
+    """FakeBuild computes drop-path schedules from fake constants. torch keeps an op's values on fake
+    constants only up to CONSTANT_NUMEL_LIMIT elements (1): without a raised limit a split schedule loses
+    them; if torch changes either, this fails."""
+    mode, real = new_fake_mode(), torch.linspace(0, 0.3, 4)
+    with mode:
+        rates = ti.fake_constant(mode, real)
+        assert is_fake(rates) and rates[2].item() == pytest.approx(0.2)
+        with ti.fake_constants_up_to(8):
+            assert rates.split([1, 3])[1].tolist() == pytest.approx([0.1, 0.2, 0.3])
+        with pytest.raises(Exception, match="_local_scalar_dense"):
+            (rates * 2).tolist()
+        with pytest.raises(Exception, match="_local_scalar_dense"):  # and a view over the limit drops the base's values
+            rates.split([1, 3])[1].tolist()
+
+
+def test_real_tensors_can_be_made_inside_a_fake_mode():
+    with new_fake_mode():
+        with ti.unset_fake_temporarily():
+            real = torch.arange(3)
+        assert not is_fake(real) and real.tolist() == [0, 1, 2] and is_fake(torch.arange(3))
+
+
+def test_trunc_normal_reads_values_and_can_be_skipped_for_chosen_tensors():
+    """`trunc_normal_` loops on `mask.any()` (stops a fake trace) and returns at once for meta tensors; the
+    shim makes it return at once for the tensors it is told, through the private sampler that every caller
+    of the public function reaches."""
+    with new_fake_mode():
+        w = torch.empty(64, 64)
+        with pytest.raises(Exception, match="_local_scalar_dense"):
+            torch.nn.init.trunc_normal_(w)
+        with ti.trunc_normal_skipped(is_fake):
+            assert torch.nn.init.trunc_normal_(w) is w
+    real = torch.empty(1000)
+    with ti.trunc_normal_skipped(is_fake):
+        torch.nn.init.trunc_normal_(real, std=1.0, a=-2.0, b=2.0)  # real tensors are still sampled
+    assert real.abs().max() <= 2.0 and real.std() > 0.5

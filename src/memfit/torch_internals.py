@@ -6,14 +6,17 @@ benchmarks) imports a private torch module or reads a private attribute.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "autocast_disabled",
            "autocast_kernel_ops", "detach_sharing_version", "grad_scaler_tensors", "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key",
-           "tensor_version", "tree_leaves"]
+           "tensor_version", "tree_leaves", "unset_fake_temporarily",
+           "fake_constant", "fake_constants_up_to", "trunc_normal_skipped"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -93,3 +96,43 @@ def profiler_surviving_allocations(prof, op_name: str) -> list[list[int]]:
         else:
             stack.extend(event.children)
     return calls
+
+
+def fake_constant(mode: FakeTensorMode, real: torch.Tensor) -> FakeTensor:
+    """A fake tensor of `mode` that also carries `real`'s values: FakeTensorMode's "constant", the kind
+    `torch.tensor(3.0)` makes, on which it computes ops for real and answers `.item()`."""
+    return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
+
+
+@contextlib.contextmanager
+def fake_constants_up_to(numel: int):
+    """FakeTensorMode keeps the values of an op's result computed from constants only if it has at most
+    one element (its module constant CONSTANT_NUMEL_LIMIT); raise that limit for a while."""
+    from torch._subclasses import fake_tensor
+
+    old = fake_tensor.CONSTANT_NUMEL_LIMIT
+    fake_tensor.CONSTANT_NUMEL_LIMIT = numel
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = old
+
+
+@contextlib.contextmanager
+def trunc_normal_skipped(skip):
+    """`nn.init.trunc_normal_` resamples until no value falls outside its bounds, a loop on values, and
+    returns at once for meta tensors, which have none. Return at once for tensors where `skip(t)` is
+    true too: the sampler is the private `_no_grad_trunc_normal_`, looked up on each call, so callers
+    holding the public function (transformers keeps its own reference) are covered as well."""
+    from torch.nn import init
+
+    original = init._no_grad_trunc_normal_
+
+    def sampler(tensor, *args, **kwargs):
+        return tensor if skip(tensor) else original(tensor, *args, **kwargs)
+
+    init._no_grad_trunc_normal_ = sampler
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = original

@@ -23,7 +23,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, defaults_for, get_device
-from memfit.memory.fake import FakeTensor, SameModeDeepcopy, new_fake_mode, quiet_fake_errors
+from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
@@ -189,8 +189,8 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
     forward or backward pass: a floor that no micro-batch or checkpointing goes under, in seconds even for
     a 7B model. The planner skips families whose floor is already over the budget."""
     dev = device if isinstance(device, Device) else get_device(device)
-    with new_fake_mode(), quiet_fake_errors():
-        with SameModeDeepcopy():
+    with new_fake_mode() as mode, quiet_fake_errors():
+        with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
         step.prime()
         host = {storage_key(t) for t in step.host_tensors()}
@@ -218,7 +218,7 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
     mode = new_fake_mode() if fake else None
     results = []
     with mode or contextlib.nullcontext(), quiet_fake_errors():
-        with SameModeDeepcopy() if fake else contextlib.nullcontext():
+        with FakeBuild(mode) if fake else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake

@@ -8,9 +8,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
-from memfit.torch_internals import FAKE_TENSOR_LOGGER, FakeTensor, FakeTensorMode
+from memfit.torch_internals import (FAKE_TENSOR_LOGGER, FakeTensor, FakeTensorMode, fake_constant,
+                                    fake_constants_up_to, trunc_normal_skipped, unset_fake_temporarily)
 
-__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "SameModeDeepcopy", "new_fake_mode", "is_fake", "quiet_fake_errors",
+__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "FakeBuild", "new_fake_mode", "is_fake", "quiet_fake_errors",
            "op_flops"]
 
 
@@ -45,12 +46,44 @@ def op_flops(func, args, kwargs, out) -> int:
     return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
 
 
-class SameModeDeepcopy(TorchFunctionMode):
-    """`copy.deepcopy` of a fake tensor lands in a *new* fake mode in torch 2.13, so a model that deep-copies
-    a layer while being built (nn.TransformerEncoder does) later fails with "Mixing fake modes". While
-    a model is built, copy fake tensors by cloning them in their own mode, keeping Parameter-ness."""
+class FakeBuild(TorchFunctionMode):
+    """Building a model on the fake tensors of `mode`, where a real build does three things fake tensors
+    cannot follow as they are:
+
+    - `copy.deepcopy` of a fake tensor lands in a *new* fake mode in torch 2.13, so a model that
+      deep-copies a layer while being built (nn.TransformerEncoder does) later fails with "Mixing fake
+      modes": fake tensors are copied by cloning them in their own mode, keeping Parameter-ness.
+    - Constructors compute Python numbers from tensors of constants: drop-path rates as
+      `torch.linspace(0, rate, depth).tolist()` (ViT-likes, ConvNeXt, Swin), relative-position tables from
+      `arange`. `linspace`, `logspace` and `arange` results of up to CONSTANT_NUMEL elements are computed
+      for real and carried as FakeTensorMode constants, whose values ops on them keep (up to as many
+      elements) and `.item()` reads: the same numbers as a real build, no guess.
+    - `nn.init.trunc_normal_` resamples until no value falls outside its bounds, a loop on values that do
+      not exist here; it is skipped for fake tensors, as torch skips it for meta ones. Initial values
+      never change memory.
+    """
+
+    CONSTANT_NUMEL = 4096  # schedules and index tables, never a weight or an activation
+    CONSTANT_FACTORIES = frozenset({torch.linspace, torch.logspace, torch.arange})
+
+    def __init__(self, mode: FakeTensorMode):
+        super().__init__()
+        self.mode = mode
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self):
+        self._patches.enter_context(fake_constants_up_to(self.CONSTANT_NUMEL))
+        self._patches.enter_context(trunc_normal_skipped(is_fake))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.close()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.Tensor.__deepcopy__ and is_fake(args[0]):
             tensor, memo = args
             if id(tensor) not in memo:
@@ -61,7 +94,13 @@ class SameModeDeepcopy(TorchFunctionMode):
                 else:
                     memo[id(tensor)] = data.requires_grad_(tensor.requires_grad)
             return memo[id(tensor)]
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if (func in self.CONSTANT_FACTORIES and is_fake(out) and out.numel() <= self.CONSTANT_NUMEL
+                and out.device.type == "cpu" and not any(is_fake(a) for a in (*args, *kwargs.values()))):
+            with unset_fake_temporarily():
+                real = func(*args, **kwargs)
+            out = fake_constant(self.mode, real).requires_grad_(out.requires_grad)
+        return out
 
 
 # FlopCounterMode has formulas for the CUDA attention kernels but not for the CPU flash kernel that the

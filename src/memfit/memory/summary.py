@@ -9,7 +9,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, MicroBatchError, WorkloadError
 from memfit.memory.estimate import PROBES_WITHOUT_1, first_line
-from memfit.memory.fake import SameModeDeepcopy, new_fake_mode
+from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope, OpRecorder
 from memfit.step import TrainStep
 from memfit.strategies import autocast_context
@@ -45,8 +45,8 @@ def summarize(workload: Workload, config: Config | None = None) -> list[ModuleRo
 
 
 def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
-    with new_fake_mode():
-        with SameModeDeepcopy():
+    with new_fake_mode() as mode:
+        with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
         model = step.model
         shapes: dict[str, str] = {}

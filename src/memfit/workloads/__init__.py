@@ -41,7 +41,8 @@ def builtin(name: str, **options) -> Workload:
     if key.lower().startswith("hf:"):
         spec = key[3:]
         if not spec:
-            raise WorkloadError("hf: needs a model type or a config.json path, e.g. hf:llama or hf:path/to/config.json")
+            raise WorkloadError("hf: needs a model type, a config.json path or a cached Hub id, e.g. hf:llama, "
+                                "hf:path/to/config.json or hf:openai/clip-vit-base-patch32")
         factory: Callable[..., Workload] = functools.partial(_hf, spec)
         factory_sig = inspect.signature(_hf_signature)
     else:
@@ -63,7 +64,7 @@ def builtin(name: str, **options) -> Workload:
     return wl
 
 
-def _hf_signature(*, seq=128, name=None, task=None, target_seq=None):  # mirrors hf.from_config's options
+def _hf_signature(*, seq=None, name=None, task=None, target_seq=None, image_size=None):  # mirrors hf.from_config's options
     """Only here so option checking for `hf:` names need not import transformers."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
     "t5": dict(d_model=128, d_ff=256, d_kv=32, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
 }
-TASKS = ("causal", "masked", "seq2seq")
+TASKS = ("causal", "masked", "seq2seq", "image", "contrastive")
+# Classifiers whose config names no input size: the ImageNet size they are trained at.
+DEFAULT_IMAGE_SIZE = 224
 
 
 def _transformers():
@@ -70,6 +73,8 @@ def load_config(config: Any):
             return transformers.CONFIG_MAPPING[model_type].from_dict(data)
         except Exception as e:
             raise WorkloadError(f"hf: {path} is not a valid {model_type} config: {type(e).__name__}: {e}") from e
+    if HUB_ID.fullmatch(spec) and not spec.endswith(".json"):
+        return load_config(_cached_hub_config(spec))
     if spec.endswith(".json") or "/" in spec or "\\" in spec:
         raise WorkloadError(f"hf: no such config file: {spec}")
     if spec in transformers.CONFIG_MAPPING:
@@ -77,6 +82,30 @@ def load_config(config: Any):
         return transformers.AutoConfig.for_model(spec)
     raise WorkloadError(f"hf: {spec!r} is neither a config.json path nor a model type; small built-in types: "
                         f"{', '.join(SMALL_CONFIGS)}")
+
+
+# `org/name` as the Hub spells a model id (a relative path that exists on disk is read as a path first).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _cached_hub_config(repo_id: str) -> Path:
+    """config.json of a Hub model from the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub), the
+    revision `main` points at, else the cache's only snapshot. memfit never downloads: an estimate must not
+    depend on the network, and this machine may have none."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(found, str):
+        return Path(found)
+    snapshots = sorted((Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots")
+                       .glob("*/config.json"))
+    if len(snapshots) == 1:
+        return snapshots[0]
+    raise WorkloadError(
+        f"hf: {repo_id} is not a local path and its config.json is not in the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}); memfit does not download (this machine may be offline): on a machine "
+        f"online run `hf download {repo_id} config.json` (or set HF_HUB_CACHE to a cache holding it), or pass "
+        f"the file itself: hf:path/to/config.json")
 
 
 @contextlib.contextmanager
@@ -101,22 +130,40 @@ def _rows_not_packed():
         masking.find_packed_sequence_indices = original
 
 
-def pick_task(config) -> str:
-    """Which head trains this architecture: seq2seq for encoder-decoders, masked LM for encoders
-    (BERT-likes sit in both the masked and the causal tables), causal LM otherwise."""
+def _task_tables() -> dict[str, dict]:
+    """transformers' auto tables (model_type -> class name or names), one per head memfit trains."""
     from transformers.models.auto import modeling_auto as ma
 
+    return {"causal": ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked": ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            "seq2seq": ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+            "image": ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+            "contrastive": ma.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+
+
+def _class_names(entry) -> tuple[str, ...]:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def pick_task(config) -> str:
+    """Which head trains this architecture. A config from the Hub names the class it was published as
+    (`architectures`), and that class's head wins. Otherwise: seq2seq for encoder-decoders, masked LM for
+    encoders (BERT-likes sit in both the masked and the causal tables), causal LM for decoders, image
+    classification for vision models, contrastive image-text training for CLIP-likes outside that table."""
+    tables = _task_tables()
+    for arch in getattr(config, "architectures", None) or ():
+        for task, table in tables.items():
+            if any(arch in _class_names(entry) for entry in table.values()):
+                return task
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "is_encoder_decoder", False) and model_type in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+    if getattr(config, "is_encoder_decoder", False) and model_type in tables["seq2seq"]:
         return "seq2seq"
-    if model_type in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+    if model_type in tables["masked"] and not getattr(config, "is_decoder", False):
         return "masked"
-    if model_type in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return "causal"
-    if model_type in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        return "seq2seq"
-    raise WorkloadError(f"hf: no language-model head for model_type {model_type!r} "
-                        "(memfit builds causal, masked and seq2seq LMs)")
+    for task in ("causal", "seq2seq", "image", "contrastive"):
+        if model_type in tables[task]:
+            return task
+    raise WorkloadError(f"hf: no training head for model_type {model_type!r} (memfit builds causal, masked and "
+                        "seq2seq LMs, image classifiers and CLIP-style image-text models)")
 
 
 # Architectures with a learned table of absolute positions, which caps the sequence length. Rotary,
@@ -139,37 +186,59 @@ def _max_positions(config) -> int | None:
     return limit
 
 
-def from_config(config: Any, seq: int = 128, name: str | None = None, task: str | None = None,
-                target_seq: int | None = None) -> Workload:
+def from_config(config: Any, seq: int | None = None, name: str | None = None, task: str | None = None,
+                target_seq: int | None = None, image_size: int | None = None) -> Workload:
     """A training workload for a transformers architecture. `config` is a PretrainedConfig, a path to a
-    local config.json, or a model type (`llama`, `gpt2`, `bert`, `t5` get small shapes). `task` forces
-    the head (causal / masked / seq2seq); `target_seq` is the decoder length for seq2seq (default seq)."""
+    local config.json, a Hub id whose config.json is in the local cache, or a model type (`llama`, `gpt2`,
+    `bert`, `t5` get small shapes). `task` forces the head (causal / masked / seq2seq / image /
+    contrastive). `seq` is the token length (default 128; for contrastive models the text model's
+    positions, 77 for CLIP), `target_seq` the decoder length for seq2seq (default seq), `image_size` the
+    side of the images (default the config's, else 224)."""
     transformers = _transformers()
     cfg = load_config(config)
     task = task or pick_task(cfg)
     if task not in TASKS:
         raise WorkloadError(f"hf: task must be one of {', '.join(TASKS)}, got {task!r}")
+    if cfg.model_type not in _task_tables()[task]:
+        raise WorkloadError(f"hf: transformers has no {task} head for model_type {cfg.model_type!r}")
+    text = cfg.get_text_config()
+    limit = _max_positions(cfg)
+    if task == "contrastive":
+        limit = getattr(text, "max_position_embeddings", None)
+    if seq is None:
+        seq = min(128, limit) if task == "contrastive" and limit else 128
+        if task == "image" and _input_name(cfg, task) == "input_ids":  # ImageGPT: one token per pixel
+            seq = getattr(cfg, "n_positions", None) or seq
     try:
         seq = int(seq)
         target_seq = seq if target_seq is None else int(target_seq)
+        image_size = None if image_size is None else int(image_size)
     except (TypeError, ValueError):
-        raise WorkloadError(f"hf: seq and target_seq must be whole numbers, got {seq!r}, {target_seq!r}") from None
-    if seq < 1 or target_seq < 1:
-        raise WorkloadError("hf: seq and target_seq must be at least 1")
-    limit = _max_positions(cfg)
-    if limit is not None and max(seq, target_seq) > limit:
+        raise WorkloadError(f"hf: seq, target_seq and image_size must be whole numbers, got {seq!r}, "
+                            f"{target_seq!r}, {image_size!r}") from None
+    if seq < 1 or target_seq < 1 or (image_size is not None and image_size < 1):
+        raise WorkloadError("hf: seq, target_seq and image_size must be at least 1")
+    if limit is not None and max(seq, target_seq) > limit and task != "image":
         raise WorkloadError(f"hf: seq {max(seq, target_seq)} is longer than this model's {limit} positions")
-    vocab = getattr(cfg.get_text_config(), "vocab_size", None)
-    if not vocab:
+    vocab = getattr(text, "vocab_size", None)
+    if not vocab and task != "image":
         raise WorkloadError(f"hf: the {cfg.model_type} config has no vocab_size")
     auto_cls = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-                "seq2seq": transformers.AutoModelForSeq2SeqLM}[task]
+                "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
+                "contrastive": transformers.AutoModelForZeroShotImageClassification}[task]
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # training never reads a KV cache; building one would only hold memory
     if task == "seq2seq" and getattr(cfg, "decoder_start_token_id", None) is None:
         # Newer transformers keep it in the generation config, but the model shifts labels with it.
         pad = getattr(cfg, "pad_token_id", None)
         cfg.decoder_start_token_id = pad if pad is not None else 0
+    if task == "seq2seq" and getattr(cfg, "pad_token_id", None) is None:
+        cfg.pad_token_id = 0  # shifting labels right needs one (it replaces -100s, which these labels lack)
+    if not getattr(cfg, "architectures", None):
+        # Where one model type has several classes for a head (DeiT, LeViT), transformers picks by this list
+        # and fails without one; the table's first class is the one it would build.
+        cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
+    images = _image_batch(cfg, task, image_size, seq) if task in ("image", "contrastive") else None
 
     def model() -> torch.nn.Module:
         # The default dtype, not config.json's torch_dtype: memfit decides precision, as with any model.
@@ -181,25 +250,59 @@ def from_config(config: Any, seq: int = 128, name: str | None = None, task: str 
         return m.train()
 
     def batch(n: int) -> dict[str, torch.Tensor]:
+        if task == "image":
+            return images(n)
+        # Full rows, no padding, so no attention mask: transformers skips a mask of all ones after reading
+        # it, which it cannot do on fake tensors, and would build a T x T mask the real step never makes.
         ids = torch.randint(0, vocab, (n, seq))
+        if task == "contrastive":
+            return {"input_ids": ids, **images(n)}
         if task == "causal":
-            # The model shifts labels itself; pretraining packs full rows, so no padding mask.
-            return {"input_ids": ids, "labels": ids.clone()}
-        # A mask of ones (no padding) also keeps transformers from peeking at token values for pad ids.
-        mask = torch.ones(n, seq, dtype=torch.long)
+            return {"input_ids": ids, "labels": ids.clone()}  # the model shifts labels itself
         if task == "masked":
             chosen = torch.rand(n, seq) < 0.15
             chosen[:, 0] = True  # at least one target per row, or the mean loss would be 0/0
-            return {"input_ids": ids, "attention_mask": mask,
-                    "labels": torch.where(chosen, ids, torch.full_like(ids, -100))}
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, vocab, (n, target_seq))}
+            return {"input_ids": ids, "labels": torch.where(chosen, ids, torch.full_like(ids, -100))}
+        return {"input_ids": ids, "labels": torch.randint(0, vocab, (n, target_seq))}
 
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         with _rows_not_packed():
-            return m(**b).loss
+            out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
+        if out.loss is None:
+            raise WorkloadError(f"hf: {type(m).__name__} returns no loss to train")
+        return out.loss
 
     def optimizer(params):
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
 
     label = name or f"hf:{config if isinstance(config, (str, Path)) else cfg.model_type}"
     return Workload(model=model, batch=batch, loss=loss, optimizer=optimizer, name=label)
+
+
+def _input_name(cfg, task: str) -> str:
+    """The model's main input (`pixel_values` for most vision models; ImageGPT reads pixel tokens)."""
+    entry = _task_tables()[task][cfg.model_type]
+    cls = getattr(_transformers(), _class_names(entry)[0], None)
+    return getattr(cls, "main_input_name", "pixel_values")
+
+
+def _image_batch(cfg, task: str, image_size: int | None, seq: int):
+    """A factory of n images at the model's input size (the vision config's for image-text models) and,
+    for classifiers, one class label each."""
+    vision = getattr(cfg, "vision_config", None) or cfg
+    size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    channels = getattr(vision, "num_channels", None) or 3
+    key = "pixel_values" if task == "contrastive" else _input_name(cfg, task)
+    labels = cfg.num_labels
+
+    def images(n: int) -> dict[str, torch.Tensor]:
+        if key == "input_ids":
+            inputs = torch.randint(0, cfg.vocab_size, (n, seq))
+        else:
+            inputs = torch.randn(n, channels, height, width)
+        if task == "contrastive":
+            return {key: inputs}
+        return {key: inputs, "labels": torch.randint(0, labels, (n,))}
+
+    return images
