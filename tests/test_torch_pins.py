@@ -14,6 +14,7 @@ from memfit.memory.fake import FakeTensor, FlopCounterMode, is_fake, new_fake_mo
 def test_the_shim_exports_only_what_is_pinned_here():
     pinned = {"FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
+    pinned |= {"DataDependentOutputException", "make_op_outputs_swappable"}  # modules and optimizers on fake
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
     pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
@@ -186,3 +187,30 @@ def test_trunc_normal_reads_values_and_can_be_skipped_for_chosen_tensors():
     with ti.trunc_normal_skipped(is_fake):
         torch.nn.init.trunc_normal_(real, std=1.0, a=-2.0, b=2.0)  # real tensors are still sampled
     assert real.abs().max() <= 2.0 and real.std() > 0.5
+
+
+def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
+    """A plain FakeTensorMode keeps a weak reference to the outputs of an op's first call, which makes
+    `Module.to()` fail to swap such a parameter (PEFT moves every adapter layer it makes). If this starts to
+    pass without `make_op_outputs_swappable`, torch fixed it and the shim can go."""
+    with ti.FakeTensorMode(allow_non_fake_inputs=True):
+        layer = torch.nn.Linear(3, 5)
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            layer.to(torch.float64)
+    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+    ti.make_op_outputs_swappable(mode)
+    with mode:
+        layer = torch.nn.Linear(3, 5)
+        assert not weakref.getweakrefs(layer.weight)
+        layer.to(torch.float64)
+        assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
+        assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
+
+
+def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():
+    """OptimizerScalars answers exactly this exception of this op."""
+    with new_fake_mode():
+        x = torch.randn(4)
+        with pytest.raises(ti.DataDependentOutputException) as e:
+            x.norm().item()
+    assert e.value.func is torch.ops.aten._local_scalar_dense.default

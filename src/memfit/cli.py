@@ -31,10 +31,27 @@ def _options(args) -> dict:
     return opts
 
 
+def _workload(args):
+    """The workload the command line names, with LoRA on it if --lora says so (its syntax checked first)."""
+    from memfit.workloads import load_workload
+
+    if not args.lora:
+        return load_workload(args.workload, **_options(args))
+    from memfit.workloads.lora import lora, parse_lora
+
+    options = parse_lora(args.lora)
+    return lora(load_workload(args.workload, **_options(args)), **options)
+
+
+_LORA_HELP = ("fine-tune with LoRA (peft): base frozen, adapters trained; r=16,alpha=32,targets=q_proj,v_proj,"
+              "dropout=0.05 (each optional; default r=8, peft's alpha and per-architecture targets, no dropout)")
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="built-in name (gpt-7b, resnet, mlp, hf:llama, ...) or path/to/job.py:function")
     p.add_argument("--seq", type=int, help="sequence length for built-in language models")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+    p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
 
 
 _PRECISION_HELP = ("fp32; bf16 = bf16 autocast, fp32 weights; fp16 = fp16 autocast + loss scaling; "
@@ -99,12 +116,11 @@ def _smallest(args, run, config: Config):
 def cmd_estimate(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.memory.estimate import estimate
-    from memfit.workloads import load_workload
 
     _check_counts(args, "micro_batch", "grad_accum")
     device = get_device(args.device)
     config = _config(args, device)
-    workload = load_workload(args.workload, **_options(args))
+    workload = _workload(args)
     est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
     if note:
         est.notes.insert(0, note)
@@ -120,11 +136,10 @@ def cmd_estimate(args) -> int:
 
 def cmd_summary(args) -> int:
     from memfit.memory.summary import summarize
-    from memfit.workloads import load_workload
 
     _check_counts(args, "micro_batch", "grad_accum")
     config = _config(args)
-    workload = load_workload(args.workload, **_options(args))
+    workload = _workload(args)
     rows, note = _smallest(args, lambda c: summarize(workload, c), config)
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
@@ -143,7 +158,6 @@ def cmd_summary(args) -> int:
 def cmd_plan(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.planner.search import check_batches, plan, resolve_budget
-    from memfit.workloads import load_workload
 
     _check_counts(args, "global_batch", "micro_batch", "verify_steps")
     device = get_device(args.device)
@@ -153,7 +167,7 @@ def cmd_plan(args) -> int:
         if args.global_batch is None:
             raise PlanError("plan needs --global-batch (samples per optimizer step)")
         check_batches(args.global_batch, args.micro_batch)
-    workload = load_workload(args.workload, **_options(args))
+    workload = _workload(args)
     fixed = dict(precision=args.precision, micro_batch=args.micro_batch,
                  activation_checkpoint=args.activation_checkpoint,
                  offload_activations=True if args.offload_activations else None,
@@ -211,9 +225,8 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from memfit.runtime.run import train
-    from memfit.workloads import load_workload
 
-    workload = load_workload(args.workload, **_options(args))
+    workload = _workload(args)
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
                    micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
@@ -346,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as for estimate; default: a small GPT learning to sort digits")
     p.add_argument("--seq", type=int, help="sequence length for built-in language models")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+    p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to run (default: %(default)s)")
     p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step (default: %(default)s)")
     p.add_argument("--budget", help="memory budget (on a CPU: a virtual device of that size)")

@@ -23,7 +23,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, defaults_for, get_device
-from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors
+from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
@@ -192,6 +192,7 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
     with new_fake_mode() as mode, quiet_fake_errors():
         with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
+        trace_optimizer(step.optimizer)
         step.prime()
         host = {storage_key(t) for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for t in step.state_tensors()}
@@ -222,6 +223,7 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake
+        scalars = trace_optimizer(step.optimizer) if fake else None
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
         if cuda_target and config.precision in ("fp16", "bf16"):
@@ -235,6 +237,10 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
         for size in sizes:
             p = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
             p.estimate.method = "fake" if fake else "measured"
+            if scalars is not None and scalars.answered:
+                p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
+                                        "lack: traced with 1 in their place (in torch.optim they only scale the "
+                                        "update; ASGD's averaging weight is 1 until step t0)")
             if sizes != [config.global_batch]:
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
-from memfit.torch_internals import (FAKE_TENSOR_LOGGER, FakeTensor, FakeTensorMode, fake_constant,
-                                    fake_constants_up_to, trunc_normal_skipped, unset_fake_temporarily)
+from memfit.torch_internals import (FAKE_TENSOR_LOGGER, DataDependentOutputException, FakeTensor, FakeTensorMode,
+                                    TorchDispatchMode, fake_constant, fake_constants_up_to, make_op_outputs_swappable,
+                                    trunc_normal_skipped, unset_fake_temporarily)
 
-__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "FakeBuild", "new_fake_mode", "is_fake", "quiet_fake_errors",
-           "op_flops"]
+__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "OptimizerScalars", "FakeBuild", "new_fake_mode",
+           "is_fake", "quiet_fake_errors", "op_flops", "trace_optimizer"]
 
 
 @contextlib.contextmanager
@@ -30,8 +32,11 @@ def quiet_fake_errors():
 
 def new_fake_mode() -> FakeTensorMode:
     """Fake tensors carry shapes, dtypes and devices but no data; ops run their meta kernels. Real tensors
-    from outside (module-level constants in user code) are converted on use instead of refused."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    from outside (module-level constants in user code) are converted on use instead of refused. Modules
+    may move or cast their fake parameters (PEFT's adapters do), as on real tensors."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    make_op_outputs_swappable(mode)
+    return mode
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -120,3 +125,42 @@ def _cpu_flash_fwd(query_shape, key_shape, *args, **kwargs) -> int:  # formulas 
 @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def _cpu_flash_bwd(grad_out_shape, query_shape, key_shape, *args, **kwargs) -> int:
     return _attention_flops(query_shape, key_shape, 5)
+
+
+# ------------------------------------------------------------------------------ optimizers on fake tensors
+
+class OptimizerScalars(TorchDispatchMode):
+    """Fake tensors have no values, so an optimizer that reads one (`.item()`) stops the trace. In torch.optim
+    the reads that fake tensors cannot answer (step counts are constants they can) only scale the update:
+    Adafactor's RMS of a parameter and of its update, each taken under `max(eps, .)`, and ASGD's averaging
+    weight `mu`, which is exactly 1 until step `t0` (10^6 by default) and picks the plain copy there. Answering
+    1 keeps every op and tensor the real step makes at those steps; only the scalars differ. `answered`
+    counts the stand-ins, so the estimate can say it used them."""
+
+    def __init__(self):
+        super().__init__()
+        self.answered = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            self.answered += 1
+            dtype = args[0].dtype
+            return True if dtype is torch.bool else 1 if not dtype.is_floating_point else 1.0
+
+
+def trace_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerScalars:
+    """Run every `optimizer.step()` under one `OptimizerScalars` (returned, to read `answered`)."""
+    scalars = OptimizerScalars()
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def traced_step(*args, **kwargs):
+        with scalars:
+            return step(*args, **kwargs)
+
+    optimizer.step = traced_step
+    return scalars

@@ -16,6 +16,7 @@ from memfit.workload import Workload, WorkloadError
 from memfit.workloads import demo as _demo
 from memfit.workloads import gpt as _gpt
 from memfit.workloads import vision as _vision
+from memfit.workloads.lora import lora  # the function: memfit.workloads.lora(workload, r=16, ...)
 
 _FACTORIES: dict[str, Callable[..., Workload]] = {
     **{name: functools.partial(_gpt.gpt, name) for name in [*_gpt.ALIASES, *_gpt.PRESETS]},
@@ -106,4 +107,4 @@ def load_workload(spec: str | Workload, **options) -> Workload:
     return wl
 
 
-__all__ = ["BUILTIN_NAMES", "builtin", "load_workload"]
+__all__ = ["BUILTIN_NAMES", "builtin", "load_workload", "lora"]
