@@ -149,7 +149,7 @@ def test_builtin_moe_is_estimated_on_fake_tensors_and_equals_forced_real_steps(t
     r = est.routing
     assert r["assumption"] == "balanced" and r["routers"] == "top-2 of 8"
     assert {"bincount", "_local_scalar_dense"} <= set(r["followed"])
-    assert "balanced routing" in est.notes[-1]
+    assert any("balanced routing" in note for note in est.notes)
     assert est.peak_bytes == measured_peak(wl, cfg, Forced(balanced))
     assert r["bound_peak_bytes"] == measured_peak(wl, cfg, Forced(ROUTINGS[r["bound_routing"]]))
     assert r["bound_peak_bytes"] > est.peak_bytes  # the collapsed router's expert takes the whole micro-batch
