@@ -14,6 +14,7 @@ from memfit.config import Config
 from memfit.errors import WorkloadError
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
                                cast_inputs, check_precision, host_side, make_grad_scaler, op_policy)
+from memfit.strategies.cuda_kernels import kernels as cuda_kernels
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
@@ -23,7 +24,8 @@ class TrainStep:
 
     `on_phase` is told "forward", "backward" and "optimizer" as the step enters each (the tracer uses it);
     `move` carries a micro-batch to the device (the tracer swaps it to model a host-to-GPU copy);
-    `cuda_target`: the step runs on the CPU to stand for a CUDA one, so autocast follows CUDA's op policy.
+    `cuda_target`: the step runs on the CPU to stand for a CUDA one, so autocast follows CUDA's op policy
+    and dropout and attention keep what CUDA's kernels keep (strategies/cuda_kernels.py).
     """
 
     def __init__(self, workload: Workload, config: Config, device: torch.device | str = "cpu",
@@ -62,7 +64,8 @@ class TrainStep:
         opt.zero_grad(set_to_none=True)
         total = batch_size(batch)
         loss_sum = torch.zeros((), device=self.device)
-        with op_policy(cfg, self.cuda_target):  # backward too: checkpointing recomputes under autocast
+        # backward too: checkpointing recomputes the forward (under autocast)
+        with op_policy(cfg, self.cuda_target), cuda_kernels(self.cuda_target):
             for micro in split_batch(batch, cfg.micro_batch):
                 micro = cast_inputs(self.move(micro, self.device), cfg)
                 weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
