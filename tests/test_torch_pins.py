@@ -18,6 +18,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
     pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
+    pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     assert set(ti.__all__) == pinned
 
 
@@ -106,6 +107,19 @@ def test_profiler_sees_an_ops_surviving_allocations():
         y = torch.randn(1000)
     assert ti.profiler_surviving_allocations(p, "aten::randn") == [[4000]]
     del y
+
+
+def test_data_dependent_ops_raise_the_pinned_errors_and_real_ops_run_with_the_fake_mode_unset():
+    """memory/routing.py answers exactly these errors, from values it computes with the fake mode unset."""
+    with new_fake_mode():
+        choice = torch.zeros(4, 2, dtype=torch.long)
+        with pytest.raises(ti.DATA_DEPENDENT_ERRORS[0]):
+            choice.nonzero()
+        with pytest.raises(ti.DATA_DEPENDENT_ERRORS[1]):
+            choice.sum().item()
+        with ti.unset_fake_temporarily():
+            real = torch.tensor([0, 3]).nonzero()
+        assert not is_fake(real) and real.tolist() == [[1]]
 
 
 def test_fake_tensor_errors_are_logged_under_the_pinned_logger_name():

@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import (DataDependentOutputException, FakeTensor, FakeTensorMode,
-                                           unset_fake_temporarily)
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DataDependentOutputException", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
+__all__ = ["DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "autocast_disabled", "autocast_kernel_ops", "detach_sharing_version", "fake_constant",
            "fake_constants_up_to", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_memory_timeline",
            "profiler_surviving_allocations", "storage_key", "tensor_version", "tree_leaves", "trunc_normal_skipped",
@@ -22,6 +22,10 @@ __all__ = ["DataDependentOutputException", "FAKE_TENSOR_LOGGER", "FakeTensor", "
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+# What fake tensors raise for an op whose output shape (nonzero, bincount) or value (`.item()`) needs data;
+# `unset_fake_temporarily()` runs real ops on real tensors inside a fake trace (memory/routing.py).
+DATA_DEPENDENT_ERRORS = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:

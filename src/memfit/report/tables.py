@@ -53,6 +53,8 @@ def estimate_view(est: Estimate) -> Group:
         parts.append(Text(f"fits: {fmt_bytes(left)} of {est.device} memory left" if left >= 0 else
                           f"does NOT fit: over {est.device}'s memory by {fmt_bytes(-left)}",
                           style="green" if left >= 0 else "bold red"))
+    if est.routing:
+        parts.append(_routing_view(est))
     if est.modules:
         mods = Table(title="activations + temporaries at the peak, by module", title_justify="left", show_edge=False)
         mods.add_column("module")
@@ -70,6 +72,29 @@ def estimate_view(est: Estimate) -> Group:
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)
+
+
+_BOUND_ROUTINGS = {"collapsed": "k experts take every token", "first": "the first expert takes every token",
+                   "last": "the last expert takes every token", "balanced": "no extreme routing exceeds balanced"}
+
+
+def _routing_view(est: Estimate):
+    """An MoE's peak under the routing it was estimated with, and its bound (memory/routing.py)."""
+    r = est.routing
+    if r["assumption"] == "invariant":
+        return Text(f"MoE routing ({r['routers']}): no tensor's size depends on it, the peak holds for any routing")
+    table = Table(title=f"MoE routing ({r['routers']}) decides tensor sizes", title_justify="left", show_edge=False)
+    table.add_column("routing")
+    table.add_column("peak", justify="right")
+    if est.device_peak_bytes is not None:
+        table.add_column("device use (nvidia-smi)", justify="right")
+    rows = [("balanced (the estimate)", est.peak_bytes, est.device_peak_bytes)]
+    if r.get("bound_peak_bytes") is not None:
+        rows.append((f"bound: {_BOUND_ROUTINGS[r['bound_routing']]}", r["bound_peak_bytes"],
+                     r["bound_device_peak_bytes"]))
+    for name, peak, device in rows:
+        table.add_row(name, fmt_bytes(peak), *([fmt_bytes(device)] if est.device_peak_bytes is not None else []))
+    return table
 
 
 def summary_view(title: str, rows, note: str | None = None) -> Table:

@@ -15,6 +15,7 @@ from typing import Callable
 from memfit.workload import Workload, WorkloadError
 from memfit.workloads import demo as _demo
 from memfit.workloads import gpt as _gpt
+from memfit.workloads import moe as _moe
 from memfit.workloads import vision as _vision
 from memfit.workloads.lora import lora  # the function: memfit.workloads.lora(workload, r=16, ...)
 
@@ -25,6 +26,7 @@ _FACTORIES: dict[str, Callable[..., Workload]] = {
     "mlp": functools.partial(_vision.mlp, "mlp"),
     "mlp-tiny": functools.partial(_vision.mlp, "mlp-tiny"),
     "sort": _demo.sort_task,
+    **{name: functools.partial(_moe.moe, name) for name in _moe.PRESETS},
 }
 
 BUILTIN_NAMES: tuple[str, ...] = (*_FACTORIES, "hf:<model_type|config.json>")

@@ -32,6 +32,22 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
                  vocab_size=1000, max_position_embeddings=512),
     "t5": dict(d_model=128, d_ff=256, d_kv=32, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
                pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+    # Mixture-of-experts: 8 experts, top-2 (DeepSeek-V3: 2 groups of 4, one chosen; one dense layer first)
+    "mixtral": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen2_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048, num_experts=8,
+                      num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000,
+                      max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+                        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
+                        max_position_embeddings=2048, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                        topk_group=1, n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                        qk_nope_head_dim=16, v_head_dim=32),
 }
 TASKS = ("causal", "masked", "seq2seq", "image", "contrastive")
 # Classifiers whose config names no input size: the ImageNet size they are trained at.
