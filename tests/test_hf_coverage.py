@@ -57,6 +57,9 @@ def test_image_batches_follow_the_config():
         tiny("clip", task="contrastive", seq=17)
     with pytest.raises(WorkloadError, match="no image head"):
         hf.from_config("llama", task="image")
+    # Perceiver's masked-LM decoder predicts every one of its 2,048 positions, whatever the input length.
+    labels = hf.from_config(transformers.AutoConfig.for_model("perceiver"), seq=16).batch(1)["labels"]
+    assert labels.shape == (1, 2048) and (labels[:, 16:] == -100).all()
     # A Hub config names the class it was published as; that head wins over the model type's default.
     cfg = transformers.AutoConfig.for_model("clip", architectures=["CLIPModel"])
     assert hf.pick_task(cfg) == "contrastive"

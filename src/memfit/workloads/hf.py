@@ -186,7 +186,7 @@ def pick_task(config) -> str:
 # relative (T5) and ALiBi models take any length: there only memory grows.
 LEARNED_POSITIONS = frozenset({"gpt2", "gpt_neo", "opt", "gpt_bigcode", "biogpt", "bert", "albert", "distilbert",
                                "electra", "ernie", "megatron-bert", "bart", "mbart", "roberta", "xlm-roberta",
-                               "camembert", "data2vec-text"})
+                               "camembert", "data2vec-text", "perceiver"})
 ROBERTA_LIKE = frozenset({"roberta", "xlm-roberta", "camembert", "data2vec-text"})
 
 
@@ -255,6 +255,8 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         # and fails without one; the table's first class is the one it would build.
         cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
     images = _image_batch(cfg, task, image_size, seq) if task in ("image", "contrastive") else None
+    # Perceiver's masked-LM decoder predicts all max_position_embeddings positions, whatever the input length.
+    outputs = cfg.max_position_embeddings if task == "masked" and cfg.model_type == "perceiver" else seq
 
     def model() -> torch.nn.Module:
         # The default dtype, not config.json's torch_dtype: memfit decides precision, as with any model.
@@ -278,7 +280,10 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         if task == "masked":
             chosen = torch.rand(n, seq) < 0.15
             chosen[:, 0] = True  # at least one target per row, or the mean loss would be 0/0
-            return {"input_ids": ids, "labels": torch.where(chosen, ids, torch.full_like(ids, -100))}
+            labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+            if outputs > seq:  # positions past the input are no one's target
+                labels = torch.cat([labels, torch.full((n, outputs - seq), -100)], dim=1)
+            return {"input_ids": ids, "labels": labels}
         return {"input_ids": ids, "labels": torch.randint(0, vocab, (n, target_seq))}
 
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -310,6 +315,9 @@ def _image_batch(cfg, task: str, image_size: int | None, seq: int):
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     channels = getattr(vision, "num_channels", None) or 3
     key = "pixel_values" if task == "contrastive" else _input_name(cfg, task)
+    if key == "input_ids" and not getattr(cfg, "vocab_size", None):  # ShieldGemma 2: a prompt around the image
+        raise WorkloadError(f"hf: {cfg.model_type} classifies images from a text prompt with image tokens, "
+                            "which memfit's image batches do not make")
     labels = cfg.num_labels
 
     def images(n: int) -> dict[str, torch.Tensor]:
