@@ -113,6 +113,56 @@ def unet(image: int = 32, base: int = 8, classes: int = 4, optimizer: str = "ada
                     loss=classify, optimizer=make_optimizer(optimizer), name="unet")
 
 
+# ---------------------------------------------------------------------------------------------- convnext
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7x7 convolution, LayerNorm over channels, pointwise MLP as Linear layers on channels-last
+    activations, residual: the ConvNeXt block (Liu et al., 2022), without layer scale and stochastic depth."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.fc2(F.gelu(self.fc1(h))).permute(0, 3, 1, 2)
+
+
+class ChannelNorm(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dims: tuple, depths: tuple, classes: int):
+        super().__init__()
+        layers = [nn.Conv2d(3, dims[0], 4, stride=4), ChannelNorm(dims[0])]  # patchify stem
+        for i, (dim, depth) in enumerate(zip(dims, depths)):
+            if i:
+                layers += [ChannelNorm(dims[i - 1]), nn.Conv2d(dims[i - 1], dim, 2, stride=2)]  # downsampling
+            layers += [ConvNeXtBlock(dim) for _ in range(depth)]
+        self.features = nn.Sequential(*layers)
+        self.norm = nn.LayerNorm(dims[-1])
+        self.head = nn.Linear(dims[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.features(x).mean((2, 3))))
+
+
+def convnext(image: int = 64, dims: tuple = (16, 32), depths: tuple = (2, 2), classes: int = 10,
+             optimizer: str = "adamw") -> Workload:
+    """A two-stage ConvNeXt: patchify stem, depthwise 7x7 blocks, strided downsampling."""
+    return Workload(model=lambda: ConvNeXt(dims, depths, classes),
+                    batch=lambda n: (torch.randn(n, 3, image, image), torch.randint(0, classes, (n,))),
+                    loss=classify, optimizer=make_optimizer(optimizer), name="convnext")
+
+
 # ---------------------------------------------------------------------------------------------- lstm
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import memfit
-from memfit.memory.kernels import lstm_workspace_bytes
+from memfit.memory.isolate import run_isolated
+from memfit.memory.kernels import CudnnWorkspaces, host_threads, lstm_workspace_bytes
 from memfit.torch_internals import TorchDispatchMode, profiler_surviving_allocations
 
 import models
@@ -106,3 +108,98 @@ def test_lstm_estimate_equals_profiler(precision):
     est = memfit.estimate(wl, cfg)
     assert est.method == "fake"
     assert est.peak_bytes == real_step_peak(wl, cfg)
+
+
+# One convolution of each kind oneDNN runs differently (blocked reorders, a first-layer kernel, depthwise
+# weights padded 16x16 per group, strided, deconvolution through backward-data, 1x1 through the native kernel
+# on one thread): (layer, input channels, input size).
+CONVS = {
+    "3x3": (lambda: nn.Conv2d(16, 32, 3, padding=1), 16, 16),
+    "depthwise 7x7": (lambda: nn.Conv2d(32, 32, 7, padding=3, groups=32), 32, 16),
+    "strided": (lambda: nn.Conv2d(16, 32, 3, stride=2, padding=1), 16, 32),
+    "transposed": (lambda: nn.ConvTranspose2d(32, 16, 2, stride=2), 32, 8),
+    "1x1": (lambda: nn.Conv2d(32, 8, 1), 32, 16),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", sorted(CONVS))
+def test_convolution_estimate_equals_the_profiler(kind, precision):
+    """The loss is the mean of the convolution's output, so the step's peak is inside the convolution's
+    backward, where oneDNN holds reorders and scratchpads beyond the gradients it returns: without them
+    the estimate was 8-50% low. Counted, the estimate is the profiler's peak to the byte."""
+    make, channels, size = CONVS[kind]
+    wl = memfit.Workload(model=make, batch=lambda n: torch.randn(n, channels, size, size),
+                         loss=lambda m, b: m(b).float().mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         name=kind)
+    cfg = memfit.Config(micro_batch=4, precision=precision)
+    est = memfit.estimate(wl, cfg)
+    assert est.method == "fake"
+    assert est.peak_bytes == real_step_peak(wl, cfg)
+
+
+def test_workspaces_are_measured_at_the_threads_the_step_runs_with():
+    """Tracing runs in a forked child on one thread; oneDNN's choices and scratchpads follow the thread
+    count (with one thread a 1x1 convolution even takes another kernel), so the child measures at its
+    parent's."""
+    assert run_isolated(host_threads) == torch.get_num_threads()
+
+
+def test_unet_estimate_equals_the_profiler():
+    wl = models.unet()
+    cfg = memfit.Config(micro_batch=4)
+    assert memfit.estimate(wl, cfg).peak_bytes == real_step_peak(wl, cfg)
+
+
+def test_convnext_estimate_is_within_two_percent_of_the_profiler_in_bf16():
+    """What is still missed only ever subtracts: oneDNN's bf16 matmul scratchpads (the blocks' Linear
+    layers), not modelled (see kernels.py)."""
+    wl = models.convnext()
+    cfg = memfit.Config(micro_batch=4, precision="bf16")
+    est, real = memfit.estimate(wl, cfg).peak_bytes, real_step_peak(wl, cfg)
+    assert 0 <= real - est <= 0.02 * real
+
+
+def _conv_call(layer, x):
+    """(func, args, output) of the aten.convolution call `layer(x)` makes, on meta tensors."""
+    with torch.device("meta"):
+        layer = layer()
+    x = x.to("meta")
+    out = layer(x)
+    transposed = isinstance(layer, nn.ConvTranspose2d)
+    args = (x, layer.weight, layer.bias, list(layer.stride), list(layer.padding), list(layer.dilation), transposed,
+            list(layer.output_padding), layer.groups)
+    return torch.ops.aten.convolution.default, args, out
+
+
+@pytest.mark.parametrize("layer,x,expected", [
+    # batch x input channels x kernel area x output positions x 4 bytes
+    (lambda: nn.Conv2d(8, 16, 3, padding=1), torch.empty(2, 8, 10, 10), 2 * 8 * 9 * 100 * 4),
+    (lambda: nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2), torch.empty(2, 8, 10, 10), 2 * 8 * 9 * 25 * 4),
+    # transposed: output channels x kernel area x input positions
+    (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), torch.empty(2, 16, 5, 5), 2 * 8 * 4 * 25 * 4),
+    (lambda: nn.Conv2d(8, 8, 7, padding=3, groups=8), torch.empty(2, 8, 10, 10), 0),  # depthwise: PyTorch's kernel
+])
+def test_cudnn_workspace_assumption(monkeypatch, layer, x, expected):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    func, args, out = _conv_call(layer, x)
+    assert CudnnWorkspaces()(func, args, {}, out) == expected
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "0")  # cuDNN's cap, in MiB
+    assert CudnnWorkspaces()(func, args, {}, out) == 0
+
+
+def test_a_gpu_target_estimate_holds_the_cudnn_workspace_at_the_convolution(monkeypatch):
+    """The loss is the mean of the convolution's output: the peak is in its backward, where the assumed
+    workspace is allocated from the caching allocator model on top of the gradients."""
+    make, channels, size = CONVS["3x3"]
+    wl = memfit.Workload(model=make, batch=lambda n: torch.randn(n, channels, size, size),
+                         loss=lambda m, b: m(b).float().mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         name="3x3")
+    cfg = memfit.Config(micro_batch=4, precision="fp32")
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "0")
+    without = memfit.estimate(wl, cfg, device="a100-80gb")
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG")
+    with_ws = memfit.estimate(wl, cfg, device="a100-80gb")
+    im2col = 4 * channels * 9 * size * size * 4
+    assert with_ws.peak_bytes - without.peak_bytes == im2col
+    assert any("cuDNN convolution workspace assumed" in n for n in with_ws.notes)

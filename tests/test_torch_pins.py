@@ -16,6 +16,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
     pinned |= {"DataDependentOutputException", "make_op_outputs_swappable"}  # modules and optimizers on fake
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
+    pinned |= {"profiler_call_allocations"}  # CPU convolution workspaces, measured
     pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
@@ -228,3 +229,15 @@ def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():
         with pytest.raises(ti.DataDependentOutputException) as e:
             x.norm().item()
     assert e.value.func is torch.ops.aten._local_scalar_dense.default
+
+
+def test_profiler_lists_each_calls_allocations_in_order():
+    """A call's allocations and frees, in order: their running total's highest point is what the kernel held
+    while it ran, and what is left is its output (here a matmul that allocates one 64 KiB result)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(128, 128)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+        y = torch.mm(x, x)
+    [calls] = ti.profiler_call_allocations(p, "aten::mm")
+    assert calls and sum(calls) == y.untyped_storage().nbytes() == 128 * 128 * 4

@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
            "autocast_disabled", "autocast_kernel_ops", "detach_sharing_version", "fake_constant",
-           "fake_constants_up_to", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_memory_timeline",
+           "fake_constants_up_to", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_call_allocations",
+           "profiler_memory_timeline",
            "profiler_surviving_allocations", "storage_key", "tensor_version", "tree_leaves", "trunc_normal_skipped",
            "unset_fake_temporarily"]
 
@@ -112,6 +113,27 @@ def profiler_surviving_allocations(prof, op_name: str) -> list[list[int]]:
                         live.pop(alloc.ptr, None)
                 inner.extend(child.children)
             calls.append(list(live.values()))
+        else:
+            stack.extend(event.children)
+    return calls
+
+
+def profiler_call_allocations(prof, op_name: str) -> list[list[int]]:
+    """For each call of the aten op `op_name` in a profile taken with `profile_memory=True`: every
+    allocation (+bytes) and free (-bytes) made inside the call, in the order they happened."""
+    from torch._C._profiler import _EventType
+
+    calls, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.TorchOp and event.name == op_name:
+            found, inner = [], list(event.children)
+            while inner:
+                child = inner.pop()
+                if child.typed[0] == _EventType.Allocation:
+                    found.append((child.start_time_ns, child.typed[1].alloc_size))
+                inner.extend(child.children)
+            calls.append([size for _, size in sorted(found, key=lambda f: f[0])])
         else:
             stack.extend(event.children)
     return calls

@@ -25,6 +25,7 @@ from memfit.memory import allocator
 from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
+from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
 from memfit.step import TrainStep
@@ -253,7 +254,8 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards."""
     cuda_target = dev.kind == "cuda"
     move = step.move
-    tracker = LiveBytes("cpu", host_apart=cuda_target)
+    workspaces = CudnnWorkspaces() if cuda_target else CpuWorkspaces()  # what kernels hold while they run
+    tracker = LiveBytes("cpu", host_apart=cuda_target, workspace=workspaces)
     recorder = OpRecorder()
     if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU
         tracker.track(step.host_tensors(), host=True)
@@ -286,6 +288,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
         scope.remove()
         tracker.close()
         step.move, step.on_phase = move, (lambda phase: None)
+    notes = notes + workspaces.notes()
     labels = _labels(step, tracker, saved)
     model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c) for c in MODEL_STATE}
     n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())

@@ -1,9 +1,14 @@
-"""What CPU kernels allocate that fake tensors get wrong: a small table, one entry per op, each with its evidence.
+"""What kernels allocate that a dispatch-level trace gets wrong or does not see, each with its evidence.
 
-The fake trace runs meta kernels. Where a meta kernel returns an output of a different size than the CPU
-kernel does, the estimate is wrong by the difference for as long as that output lives. `fix_fake_outputs`
-replaces such an output with a fake tensor of the size the CPU kernel really returns, so lifetime (saved
-for backward, freed after it) is followed exactly like any other tensor. Real tensors are never touched.
+Outputs sized wrong. The fake trace runs meta kernels. Where a meta kernel returns an output of a different
+size than the CPU kernel does, the estimate is wrong by the difference for as long as that output lives.
+`fix_fake_outputs` replaces such an output with a fake tensor of the size the CPU kernel really returns, so
+lifetime (saved for backward, freed after it) is followed exactly like any other tensor. Real tensors are
+never touched.
+
+Workspaces. A kernel may hold memory while it runs beyond the outputs it returns; a dispatch mode sees only
+outputs. `CpuWorkspaces` measures what CPU convolutions hold (below), `CudnnWorkspaces` states what a CUDA
+target's cuDNN convolutions are assumed to; the tracker counts either at its op and frees it at once.
 
 Entries
 -------
@@ -27,15 +32,21 @@ aten.mkldnn_rnn_layer (nn.LSTM on CPU: PyTorch runs one oneDNN LSTM primitive pe
     profiler). LSTM is the only RNN PyTorch sends to oneDNN; GRU/RNN run native kernels that fake tensors
     follow exactly.
 
+Convolutions on the CPU (aten.convolution, aten.convolution_backward: oneDNN, or PyTorch's own kernel for
+some 1x1 convolutions on one thread), measured, not modelled by a formula. Profiled with torch 2.13 /
+oneDNN 3.12 on an AVX-512 CPU: the forward computes into a channel-blocked copy of the output (channels
+padded up to 16) and reorders it into the plain output, after reordering the weights (and, for 16 or more
+input channels, the input) into blocked copies; the backward does the same for the gradients, and a
+depthwise convolution's weight gradient is computed as a grouped convolution's, padded to 16 x 16 channels
+per group (256 times the weight's size in fp32), with per-thread reduction buffers on top. Which of
+oneDNN's implementations runs (jit, brgemm, gemm, depthwise; nChw16c or nhwc; first-layer kernels for few
+input channels) follows the shape, dtype, memory format, ISA and thread count, so each call signature is
+run once on this machine instead (`CpuWorkspaces`). Uncounted, the estimate was 14% low on a U-Net and 28%
+(fp32) to 54% (bf16) low on a ConvNeXt; counted, both are the profiler's peak to the byte in fp32 and
+within 0.6% in bf16 (the bf16 matmul scratchpads below).
+
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
-real-mode trace miss them; the profiler sees them). Measured with torch 2.13 / oneDNN 3.12 on an AVX-512
-CPU, micro_batch 4, 2 threads; sizes depend on oneDNN's implementation choice, the ISA and the thread count,
-so no formula from op arguments alone reproduces them:
-    aten.mkldnn_convolution / convolution_backward (fp32 and bf16, NCHW): oneDNN reorders plain activations
-        into channel-blocked copies (nChw16c: channels padded up to 16, so a 4-channel tensor costs 4x),
-        weights into blocked copies, computes into a blocked result, reorders it into the plain output,
-        and uses a thread-dependent scratchpad. The backward does this twice (data, then weights).
-        unet: +481536 B at the peak (final 1x1 conv, 4 output channels) with 2 threads, +142592 B with 1.
+real-mode trace miss them; the profiler sees them):
     aten.mm / addmm in bf16 (autocast or bf16 weights): oneDNN matmul scratchpad (fp32 accumulator plus
         per-thread packing buffers): vit bf16 +128768 B (weight-grad mm 64x260 @ 260x256), custom_function
         +22272 B with 2 threads (17536 B with 1), 2-layer MLP in bf16-pure +91904 B.
@@ -48,9 +59,19 @@ so no formula from op arguments alone reproduces them:
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from memfit.memory.fake import is_fake
+from memfit.memory.isolate import available_host_bytes
+from memfit.torch_internals import profiler_call_allocations
 
 aten = torch.ops.aten
 
@@ -111,3 +132,266 @@ def fix_fake_outputs(func, args, kwargs, out):
     if fix is None or not any(isinstance(t, torch.Tensor) and is_fake(t) for t in out):
         return out
     return fix(args, kwargs or {}, out)
+
+
+# ------------------------------------------------------------------------------ kernel workspaces, measured
+
+# Ops whose CPU kernels hold more memory while they run than they return: oneDNN reorders activations and
+# weights into blocked layouts, computes weight gradients in a padded blocked layout, and takes per-thread
+# scratchpads, by amounts that follow its choice of implementation for the shape, dtype, memory format, ISA
+# and thread count. Measured, once per call signature, on this machine.
+MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+# A measurement runs the op on real tensors of the traced shapes: their bytes, times this, must fit in the
+# memory the host has available (the outputs and the workspace come on top of the inputs).
+HEADROOM = 8
+
+
+def _spec(a):
+    """A JSON description of an op argument: a tensor by shape, strides and dtype, anything else as is."""
+    if isinstance(a, torch.Tensor):
+        return {"shape": list(a.shape), "stride": list(a.stride()), "dtype": str(a.dtype).removeprefix("torch.")}
+    if isinstance(a, (list, tuple)):
+        return [_spec(x) for x in a]
+    return a
+
+
+def _tensor_bytes(spec) -> int:
+    if isinstance(spec, dict):
+        extent = 1 + sum((n - 1) * st for n, st in zip(spec["shape"], spec["stride"]) if n)
+        return extent * torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+    return sum(_tensor_bytes(x) for x in spec) if isinstance(spec, list) else 0
+
+
+_parent_threads: int | None = None
+_in_forked_child = False
+
+
+def _before_fork() -> None:
+    global _parent_threads
+    if not _in_forked_child:
+        _parent_threads = torch.get_num_threads()
+
+
+def _after_fork_in_child() -> None:
+    global _in_forked_child
+    _in_forked_child = True
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def host_threads() -> int:
+    """Intra-op threads the steps run with: a forked tracing child runs on one thread (OpenMP does not
+    survive a fork), but the step it stands for runs with its parent's."""
+    return _parent_threads if _in_forked_child and _parent_threads else torch.get_num_threads()
+
+
+def _cache_file(threads: int) -> Path:
+    """Measurements hold for one machine, PyTorch build (oneDNN version) and thread count."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
+               "")
+    machine = f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{cpu}|{threads}"
+    root = Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
+    return root / f"kernels-{hashlib.sha1(machine.encode()).hexdigest()[:16]}.json"
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.readlines()
+    except OSError:
+        return []
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class CpuWorkspaces:
+    """What each MEASURED_OPS call's CPU kernel holds while it runs beyond the outputs it returns, in bytes:
+    the tracker counts it at that op and frees it at once. Each new call signature is run on real tensors
+    in a helper process at the steps' thread count (under the profiler, whose allocation events inside the
+    call give it: the highest running total minus what survives the call) and cached on disk."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or host_threads()
+        self.path = _cache_file(self.threads)
+        self.table = _load(self.path)
+        self.counted = 0     # calls whose workspace was counted
+        self.too_large = 0   # calls too large to run here, not counted
+        self.failed = 0      # calls the helper could not measure, not counted
+        self.unmeasured: set[str] = set()  # their signatures, not tried again
+
+    def __call__(self, func, args, kwargs, out) -> int:
+        if func not in MEASURED_OPS:
+            return 0
+        request = {"op": str(func), "args": _spec(list(args)), "kwargs": _spec(dict(kwargs or {}))}
+        key = json.dumps(request, sort_keys=True)
+        if key in self.unmeasured:
+            return 0
+        if key not in self.table:
+            if HEADROOM * _tensor_bytes(request["args"]) > available_host_bytes():
+                self.too_large += 1
+                self.unmeasured.add(key)
+                return 0
+            measured = self._measure(request)
+            if measured is None:
+                self.failed += 1
+                self.unmeasured.add(key)
+                return 0
+            self.table[key] = measured
+            self._save(key, measured)
+        self.counted += 1
+        return self.table[key]
+
+    def _measure(self, request: dict) -> int | None:
+        helper = _helper(self.threads)
+        try:
+            helper.stdin.write(json.dumps(request) + "\n")
+            helper.stdin.flush()
+            reply = json.loads(helper.stdout.readline() or "{}")
+        except (OSError, ValueError):
+            return None
+        return reply.get("bytes")
+
+    def _save(self, key: str, value: int) -> None:
+        """Merged into what is on disk (tracing children run side by side), written atomically."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            table = {**_load(self.path), key: value}
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # an unwritable cache only means measuring again next time
+
+    def notes(self) -> list[str]:
+        out = []
+        if self.counted:
+            out.append(f"CPU convolution kernels' workspaces (oneDNN reorders and scratchpads) counted at each call: "
+                       f"measured on this machine at {self.threads} threads, cached in {self.path}")
+        if self.too_large or self.failed:
+            out.append(f"the kernel workspace of {self.too_large + self.failed} convolution signature(s) is not "
+                       f"counted ({self.too_large} too large to run here, {self.failed} failed to run)")
+        return out
+
+
+_helpers: dict[tuple[int, int], subprocess.Popen] = {}  # (process id, threads) -> measuring helper
+
+
+def _helper(threads: int) -> subprocess.Popen:
+    """This process's measuring helper for `threads`: a fresh Python, since OpenMP cannot run more than one
+    thread in a forked child (which is where tracing runs); started on first use, ended at exit."""
+    key = (os.getpid(), threads)
+    helper = _helpers.get(key)
+    if helper is None or helper.poll() is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        helper = _helpers[key] = subprocess.Popen(
+            [sys.executable, "-c", f"from memfit.memory.kernels import serve; serve({threads})"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        atexit.register(_stop, helper)
+    return helper
+
+
+# ------------------------------------------------------------------------------ cuDNN workspace, assumed
+
+
+class CudnnWorkspaces:
+    """The workspace a cuDNN convolution takes from PyTorch's caching allocator while it runs, for a CUDA
+    target traced on the CPU. PyTorch asks cuDNN's heuristics for an engine (torch.backends.cudnn.benchmark
+    is off by default), allocates the engine's workspace from the caching allocator for the call and frees it
+    after; the size is the engine's, which cannot be known without the GPU. Assumed: the unfolded input of a
+    GEMM engine (batch x input channels x kernel area x output positions, in the input's dtype; for a
+    transposed convolution the output channels and input positions), capped at CUDNN_CONV_WSCAP_DBG MiB when
+    that is set (cuDNN's own cap on the workspace of the engines it offers). Backward data and backward
+    weights run one after the other, each with its own workspace, so the larger of the two is held at once:
+    the same size. Depthwise convolutions run PyTorch's own kernel, without one. An engine with implicit GEMM
+    needs less: the assumption errs on the side of more memory."""
+
+    def __init__(self):
+        cap = os.environ.get("CUDNN_CONV_WSCAP_DBG", "").strip()
+        self.cap = int(cap) * 2**20 if cap.isdigit() else None
+        self.calls = 0
+
+    def __call__(self, func, args, kwargs, out) -> int:
+        if func is aten.convolution.default:
+            x, weight, positions = args[0], args[1], out.shape[2:]
+        elif func is aten.convolution_backward.default:
+            x, weight, positions = args[1], args[2], args[0].shape[2:]
+        else:
+            return 0
+        transposed, groups = (args[6], args[8]) if func is aten.convolution.default else (args[7], args[9])
+        if groups > 1 and groups == x.shape[1]:
+            return 0
+        if transposed:
+            positions = x.shape[2:]
+        area = 1
+        for n in (*weight.shape[2:], *positions):
+            area *= n
+        nbytes = x.shape[0] * weight.shape[1] * groups * area * x.element_size()
+        self.calls += 1
+        return min(nbytes, self.cap) if self.cap is not None else nbytes
+
+    def notes(self) -> list[str]:
+        if not self.calls:
+            return []
+        cap = f"capped at CUDNN_CONV_WSCAP_DBG={self.cap // 2**20} MiB" if self.cap is not None else \
+            "uncapped (CUDNN_CONV_WSCAP_DBG is not set)"
+        return [f"cuDNN convolution workspace assumed: each call holds the unfolded input of a GEMM engine while "
+                f"it runs, {cap}; the engine cuDNN's heuristics pick may need less (an upper side)"]
+
+
+def _stop(helper: subprocess.Popen) -> None:
+    if helper.poll() is None:
+        helper.stdin.close()  # its loop ends at end of input
+        try:
+            helper.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
+
+
+def _make(spec):
+    if isinstance(spec, dict) and "dtype" in spec:
+        t = torch.empty_strided(spec["shape"], spec["stride"], dtype=getattr(torch, spec["dtype"]))
+        return t.normal_() if t.is_floating_point() else t.zero_()
+    if isinstance(spec, list):
+        return [_make(x) for x in spec]
+    if isinstance(spec, dict):
+        return {k: _make(v) for k, v in spec.items()}
+    return spec
+
+
+def workspace_of(func, args, kwargs) -> int:
+    """Run `func` (warmed up: oneDNN creates its primitive on the first call) under the profiler and return
+    the bytes its kernel held beyond its outputs: the highest running total of the allocations made inside
+    the call, minus what was still allocated when it returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        func(*args, **kwargs)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        func(*args, **kwargs)
+    [sizes] = profiler_call_allocations(prof, func.name())
+    running = peak = 0
+    for size in sizes:
+        running += size
+        peak = max(peak, running)
+    return peak - running
+
+
+def serve(threads: int) -> None:
+    """The measuring helper's loop: one JSON request a line on stdin, one answer a line on stdout."""
+    torch.set_num_threads(threads)
+    for line in sys.stdin:
+        request = json.loads(line)
+        namespace, name, overload = request["op"].split(".")
+        func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        try:
+            reply = {"bytes": workspace_of(func, _make(request["args"]), _make(request["kwargs"]))}
+        except Exception as e:  # noqa: BLE001 - the tracer is told, and counts nothing for this call
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), flush=True)

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.tracker import LiveBytes
 
 
@@ -28,7 +29,7 @@ def measure_step(step, batch, tracker: LiveBytes | None = None) -> tuple[torch.T
         torch.cuda.reset_peak_memory_stats(step.device)
         loss = step(batch)
         return loss, StepPeak(torch.cuda.max_memory_allocated(step.device), torch.cuda.max_memory_reserved(step.device))
-    counter = tracker or LiveBytes(step.device.type, detail=False)
+    counter = tracker or LiveBytes(step.device.type, detail=False, workspace=CpuWorkspaces())
     counter.track(step.state_tensors())
     counter.peak = counter.current  # a kept counter's peak is the previous step's
     with counter:

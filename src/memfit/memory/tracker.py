@@ -97,14 +97,17 @@ class LiveBytes(_Scoped):
     host_apart: allocations made under `host_side()` (offloading) are host memory, not device memory.
     True when a GPU step is traced on the CPU; on a CPU device host and device memory are one.
     detail: False keeps live bytes and peak only (a run's budget, steps without end).
+    workspace: `(func, args, kwargs, out) -> bytes` a kernel holds only while it runs (kernels.CpuWorkspaces,
+    kernels.CudnnWorkspaces): counted at that op, after its outputs, and freed at once.
     """
 
     def __init__(self, device_type: str = "cpu", budget: int | None = None, host_apart: bool = False,
-                 detail: bool = True):
+                 detail: bool = True, workspace=None):
         super().__init__()
         self.device_type = device_type
         self.budget = budget
         self.detail = detail
+        self.workspace = workspace
         self.host_apart = host_apart
         self.host_live: dict[int, int] = {}  # host-side storages when host_apart
         self.host_current = self.host_peak = 0
@@ -167,6 +170,13 @@ class LiveBytes(_Scoped):
             self.host_peak = max(self.host_peak, self.host_current)
             weakref.finalize(st, self._free, address, key)
             return
+        key = self._allocate(nbytes, op, tuple(t.shape), str(t.dtype).replace("torch.", ""), category)
+        self._uids[address] = key
+        self.live[key] = nbytes
+        weakref.finalize(st, self._free, address, key)
+
+    def _allocate(self, nbytes: int, op: str, shape: tuple, dtype: str, category: Category | None) -> int:
+        """Count `nbytes` more live (raising past a budget) and return the allocation's id."""
         if self.budget is not None and self.current + nbytes > self.budget:
             raise torch.OutOfMemoryError(
                 f"memfit virtual budget: allocating {nbytes} bytes with {self.current} live "
@@ -174,18 +184,22 @@ class LiveBytes(_Scoped):
             )
         key = self._next_uid
         self._next_uid += 1
-        self._uids[address] = key
-        self.live[key] = nbytes
         if self.detail:
-            self.infos[key] = StorageInfo(nbytes, op, self.module, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                                          self.phase, category)
+            self.infos[key] = StorageInfo(nbytes, op, self.module, shape, dtype, self.phase, category)
             self.events.append((key, nbytes))
         self.current += nbytes
         if self.current > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.current
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events) - 1
-        weakref.finalize(st, self._free, address, key)
+        return key
+
+    def _transient(self, nbytes: int, op: str) -> None:
+        """A kernel's workspace: live for the op that takes it, freed when the op returns."""
+        key = self._allocate(nbytes, f"{op} (kernel workspace)", (nbytes,), "uint8", Category.TEMPORARIES)
+        self.current -= nbytes
+        if self.detail:
+            self.events.append((key, -nbytes))
 
     def _free(self, address: int, key: int) -> None:
         if not self._active:
@@ -223,6 +237,9 @@ class LiveBytes(_Scoped):
             name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
             for t in _tensors(out):
                 self._add(t, name)
+            extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
+            if extra:
+                self._transient(extra, name)
         return out
 
 

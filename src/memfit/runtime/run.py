@@ -30,6 +30,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, RunError
 from memfit.memory.devices import defaults_for, get_device
+from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
@@ -234,7 +235,7 @@ class _Run:
         self.refusals: dict = {}  # activation checkpointing -> why its probe failed, or None
         self.tracker = None
         if budget is not None and device == "cpu":  # a virtual device: count live bytes, OOM past the budget
-            self.tracker = LiveBytes("cpu", budget=budget, detail=False)
+            self.tracker = LiveBytes("cpu", budget=budget, detail=False, workspace=CpuWorkspaces())
         elif budget is not None and device.startswith("cuda"):
             total = torch.cuda.get_device_properties(torch.device(device)).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), torch.device(device))
