@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 import memfit
@@ -16,6 +17,7 @@ from memfit.memory.fake import is_fake, new_fake_mode
 from memfit.memory.measure import measure_step
 from memfit.memory.routing import MAX_CHOICES, Routing, assumed_choices
 from memfit.memory.tracker import LiveBytes
+from memfit.report.tables import estimate_view
 from memfit.step import TrainStep
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, TorchDispatchMode
 from memfit.workload import Workload, tensors_of
@@ -150,6 +152,10 @@ def test_builtin_moe_is_estimated_on_fake_tensors_and_equals_forced_real_steps(t
     assert r["assumption"] == "balanced" and r["routers"] == "top-2 of 8"
     assert {"bincount", "_local_scalar_dense"} <= set(r["followed"])
     assert any("balanced routing" in note for note in est.notes)
+    console = Console(width=160, record=True)
+    console.print(estimate_view(est))
+    table = console.export_text()
+    assert "balanced (the estimate)" in table and "bound: k experts take every token" in table
     assert est.peak_bytes == measured_peak(wl, cfg, Forced(balanced))
     assert r["bound_peak_bytes"] == measured_peak(wl, cfg, Forced(ROUTINGS[r["bound_routing"]]))
     assert r["bound_peak_bytes"] > est.peak_bytes  # the collapsed router's expert takes the whole micro-batch

@@ -267,9 +267,12 @@ def _describe_workload(name: str) -> dict:
         return {"name": name, "model": str(e), "parameters": None, "sample": ""}
     if wl.name != name:
         kind = f"same as {wl.name}"
-    elif hasattr(model, "cfg"):  # memfit's own GPT
+    elif hasattr(model, "cfg"):  # memfit's own GPT, dense or MoE
         c = model.cfg
-        kind = f"Llama-shaped GPT: {c.layers} layers, d_model {c.d_model}, {c.heads} heads, ffn {c.ffn}, vocab {c.vocab}"
+        moe = hasattr(c, "experts")
+        ffn = f"top-{c.top_k} of {c.experts} experts of ffn {c.ffn}" if moe else f"ffn {c.ffn}"
+        kind = (f"Llama-shaped {'MoE' if moe else 'GPT'}: {c.layers} layers, d_model {c.d_model}, {c.heads} heads, "
+                f"{ffn}, vocab {c.vocab}")
     elif name.startswith("hf:"):
         c = model.config
         kind = f"{type(model).__name__}, toy size: {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}"
