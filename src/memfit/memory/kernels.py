@@ -42,14 +42,18 @@ per group (256 times the weight's size in fp32), with per-thread reduction buffe
 oneDNN's implementations runs (jit, brgemm, gemm, depthwise; nChw16c or nhwc; first-layer kernels for few
 input channels) follows the shape, dtype, memory format, ISA and thread count, so each call signature is
 run once on this machine instead (`CpuWorkspaces`). Uncounted, the estimate was 14% low on a U-Net and 28%
-(fp32) to 54% (bf16) low on a ConvNeXt; counted, both are the profiler's peak to the byte in fp32 and
-within 0.6% in bf16 (the bf16 matmul scratchpads below).
+(fp32) to 54% (bf16) low on a ConvNeXt; counted, both are the profiler's peak to the byte in fp32, the
+U-Net within 0.03% and the ConvNeXt within 0.6% in bf16.
+
+Matmuls in bf16 / fp16 on the CPU (aten.mm, addmm, bmm, baddbmm: oneDNN's matmul), measured the same way:
+an fp32 accumulator and per-thread packing buffers, e.g. ViT in bf16 +128768 B at the peak (the weight
+gradient's mm 64x260 @ 260x256), GPT-2 with selective checkpointing in bf16 +175 KB (3.6%). Counted, ViT,
+custom_function and gpt_sdpa in bf16 and ViT in bf16-pure are the profiler's peak to the byte. fp32
+matmuls run in MKL, whose buffers do not come from PyTorch's allocator (the profiler does not see them
+either).
 
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):
-    aten.mm / addmm in bf16 (autocast or bf16 weights): oneDNN matmul scratchpad (fp32 accumulator plus
-        per-thread packing buffers): vit bf16 +128768 B (weight-grad mm 64x260 @ 260x256), custom_function
-        +22272 B with 2 threads (17536 B with 1), 2-layer MLP in bf16-pure +91904 B.
     CPU TensorIterator ops with inputs of mixed dtype (bf16 * fp32): a promoted copy of the narrower input
         (numel x 4 bytes), freed when the op returns.
     aten.mkldnn_rnn_layer_backward: a contiguous copy of a non-contiguous grad_output (T*mb*H*elem), zeros for
@@ -141,6 +145,9 @@ def fix_fake_outputs(func, args, kwargs, out):
 # scratchpads, by amounts that follow its choice of implementation for the shape, dtype, memory format, ISA
 # and thread count. Measured, once per call signature, on this machine.
 MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+# Matmuls in bf16 / fp16 go to oneDNN too, which takes an fp32 accumulator and per-thread packing buffers
+# from the same allocator; fp32 matmuls go to MKL, whose buffers PyTorch's allocator never sees.
+LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 # A measurement runs the op on real tensors of the traced shapes: their bytes, times this, must fit in the
 # memory the host has available (the outputs and the workspace come on top of the inputs).
 HEADROOM = 8
@@ -211,7 +218,8 @@ def _load(path: Path) -> dict:
 
 
 class CpuWorkspaces:
-    """What each MEASURED_OPS call's CPU kernel holds while it runs beyond the outputs it returns, in bytes:
+    """What each MEASURED_OPS (and low-precision matmul) call's CPU kernel holds while it runs beyond the
+    outputs it returns, in bytes:
     the tracker counts it at that op and frees it at once. Each new call signature is run on real tensors
     in a helper process at the steps' thread count (under the profiler, whose allocation events inside the
     call give it: the highest running total minus what survives the call) and cached on disk."""
@@ -226,7 +234,8 @@ class CpuWorkspaces:
         self.unmeasured: set[str] = set()  # their signatures, not tried again
 
     def __call__(self, func, args, kwargs, out) -> int:
-        if func not in MEASURED_OPS:
+        if func not in MEASURED_OPS and not (func in LOW_PRECISION_MATMULS and out.dtype in (torch.bfloat16,
+                                                                                         torch.float16)):
             return 0
         request = {"op": str(func), "args": _spec(list(args)), "kwargs": _spec(dict(kwargs or {}))}
         key = json.dumps(request, sort_keys=True)
@@ -271,10 +280,11 @@ class CpuWorkspaces:
     def notes(self) -> list[str]:
         out = []
         if self.counted:
-            out.append(f"CPU convolution kernels' workspaces (oneDNN reorders and scratchpads) counted at each call: "
+            out.append(f"CPU kernels' workspaces (oneDNN reorders and scratchpads of convolutions and bf16/fp16 "
+                       f"matmuls) counted at each call: "
                        f"measured on this machine at {self.threads} threads, cached in {self.path}")
         if self.too_large or self.failed:
-            out.append(f"the kernel workspace of {self.too_large + self.failed} convolution signature(s) is not "
+            out.append(f"the kernel workspace of {self.too_large + self.failed} call signature(s) is not "
                        f"counted ({self.too_large} too large to run here, {self.failed} failed to run)")
         return out
 
