@@ -167,3 +167,48 @@ def test_convnext_estimate_is_within_two_percent_of_the_profiler_in_bf16():
     cfg = memfit.Config(micro_batch=4, precision="bf16")
     est, real = memfit.estimate(wl, cfg).peak_bytes, real_step_peak(wl, cfg)
     assert abs(real - est) <= 0.02 * real
+
+
+def _conv_call(layer, x):
+    """(func, args, output) of the aten.convolution call `layer(x)` makes, on meta tensors."""
+    with torch.device("meta"):
+        layer = layer()
+    x = x.to("meta")
+    out = layer(x)
+    transposed = isinstance(layer, nn.ConvTranspose2d)
+    args = (x, layer.weight, layer.bias, list(layer.stride), list(layer.padding), list(layer.dilation), transposed,
+            list(layer.output_padding), layer.groups)
+    return torch.ops.aten.convolution.default, args, out
+
+
+@pytest.mark.parametrize("layer,x,expected", [
+    # batch x input channels x kernel area x output positions x 4 bytes
+    (lambda: nn.Conv2d(8, 16, 3, padding=1), torch.empty(2, 8, 10, 10), 2 * 8 * 9 * 100 * 4),
+    (lambda: nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2), torch.empty(2, 8, 10, 10), 2 * 8 * 9 * 25 * 4),
+    # transposed: output channels x kernel area x input positions
+    (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), torch.empty(2, 16, 5, 5), 2 * 8 * 4 * 25 * 4),
+    (lambda: nn.Conv2d(8, 8, 7, padding=3, groups=8), torch.empty(2, 8, 10, 10), 0),  # depthwise: PyTorch's kernel
+])
+def test_cudnn_workspace_assumption(monkeypatch, layer, x, expected):
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG", raising=False)
+    func, args, out = _conv_call(layer, x)
+    assert CudnnWorkspaces()(func, args, {}, out) == expected
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "0")  # cuDNN's cap, in MiB
+    assert CudnnWorkspaces()(func, args, {}, out) == 0
+
+
+def test_a_gpu_target_estimate_holds_the_cudnn_workspace_at_the_convolution(monkeypatch):
+    """The loss is the mean of the convolution's output: the peak is in its backward, where the assumed
+    workspace is allocated from the caching allocator model on top of the gradients."""
+    make, channels, size = CONVS["3x3"]
+    wl = memfit.Workload(model=make, batch=lambda n: torch.randn(n, channels, size, size),
+                         loss=lambda m, b: m(b).float().mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         name="3x3")
+    cfg = memfit.Config(micro_batch=4, precision="fp32")
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "0")
+    without = memfit.estimate(wl, cfg, device="a100-80gb")
+    monkeypatch.delenv("CUDNN_CONV_WSCAP_DBG")
+    with_ws = memfit.estimate(wl, cfg, device="a100-80gb")
+    im2col = 4 * channels * 9 * size * size * 4
+    assert with_ws.peak_bytes - without.peak_bytes == im2col
+    assert any("cuDNN convolution workspace assumed" in n for n in with_ws.notes)
