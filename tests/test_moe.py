@@ -14,6 +14,7 @@ import memfit
 import models
 from memfit import Config
 from memfit.memory.fake import is_fake, new_fake_mode
+from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.routing import MAX_CHOICES, Routing, assumed_choices
 from memfit.memory.tracker import LiveBytes
@@ -75,7 +76,7 @@ def measured_peak(workload: Workload, config: Config, forced: Forced) -> int:
     step = TrainStep(workload, config, "cpu")
     step.prime()
     batch = workload.batch(config.global_batch)
-    tracker = LiveBytes("cpu", detail=False)
+    tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces())  # as measure_step's own
     tracker.track(tensors_of(batch))
     with forced:
         _, peak = measure_step(step, batch, tracker)

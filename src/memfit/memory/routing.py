@@ -97,7 +97,8 @@ class Routing(TorchDispatchMode):
         self.followed: dict[str, int] = {}  # op -> data-dependent results that read an assumed choice
         self.routers: set[tuple[int, int]] = set()  # (k, choices) of the routers those results read
         self.computed: set[tuple[int, int]] = set()  # routers whose choices other ops computed on (not views)
-        self._shadows: dict[int, _Shadow] = {}
+        self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
+        self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
     def __enter__(self):
         self._format = _ShadowFormat(self).__enter__()
@@ -174,20 +175,25 @@ class Routing(TorchDispatchMode):
                     self._forget(f)
 
     def _put(self, fake: torch.Tensor, value: torch.Tensor, routers: frozenset) -> None:
-        key = id(fake)
+        key, storage = id(fake), storage_key(fake)
         if key not in self._shadows:
-            weakref.finalize(fake, self._shadows.pop, key, None)
+            weakref.finalize(fake, self._drop, key, storage)
         self._shadows[key] = _Shadow(weakref.ref(fake), value, routers)
+        self._aliases.setdefault(storage, set()).add(key)
+
+    def _drop(self, key: int, storage: int) -> None:
+        self._shadows.pop(key, None)
+        aliases = self._aliases.get(storage)
+        if aliases is not None:
+            aliases.discard(key)
+            if not aliases:
+                del self._aliases[storage]
 
     def _forget(self, t) -> None:
         """Drop the shadows of every tensor sharing t's storage (t was changed in a way not followed)."""
-        if not (isinstance(t, torch.Tensor) and is_fake(t)) or not self._shadows:
-            return
-        key = storage_key(t)
-        for k, s in list(self._shadows.items()):
-            f = s.fake()
-            if f is None or storage_key(f) == key:
-                self._shadows.pop(k, None)
+        if isinstance(t, torch.Tensor) and is_fake(t):
+            for key in self._aliases.pop(storage_key(t), ()):
+                self._shadows.pop(key, None)
 
     def _forget_mutated(self, args, kwargs, out) -> None:
         """In-place and out= ops return the tensor they changed (self, or out=)."""
