@@ -43,8 +43,9 @@ SEQ, DEVICE, PRECISION = 256, "h100", "bf16"
 
 # ----------------------------------------------------------------------------------------------- scale
 
-def one(model_type: str, experts: str) -> dict:
+def one(model_type: str, experts: str, seq: str, micro_batch: str, checkpoint: str) -> dict:
     """In a child process: one estimate at full width. Prints one JSON line."""
+    seq, micro_batch = int(seq), int(micro_batch)
     import transformers
 
     import memfit
@@ -55,12 +56,14 @@ def one(model_type: str, experts: str) -> dict:
         options["num_hidden_layers"] = EAGER_LAYERS[model_type]
     cfg = transformers.AutoConfig.for_model(model_type, **options)
     t0 = time.perf_counter()
-    est = memfit.estimate(hf.from_config(cfg, seq=SEQ, name=f"hf:{model_type}"),
-                          memfit.Config(micro_batch=1, precision=PRECISION), device=DEVICE)
+    est = memfit.estimate(hf.from_config(cfg, seq=seq, name=f"hf:{model_type}"),
+                          memfit.Config(micro_batch=micro_batch, precision=PRECISION, activation_checkpoint=checkpoint),
+                          device=DEVICE)
     wall = time.perf_counter() - t0
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     r = est.routing or {}
-    return {"model": model_type, "experts": experts, "layers": cfg.num_hidden_layers, "method": est.method,
+    return {"model": model_type, "experts": experts, "seq": seq, "micro_batch": micro_batch, "checkpoint": checkpoint,
+            "layers": cfg.num_hidden_layers, "method": est.method,
             "parameters": est.parameters, "wall_s": round(wall, 1),
             "cpu_s": round(me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, 1),
             "peak_rss_bytes": 1024 * max(me.ru_maxrss, kids.ru_maxrss),
@@ -70,21 +73,29 @@ def one(model_type: str, experts: str) -> dict:
             "bound_device_peak_bytes": r.get("bound_device_peak_bytes", est.device_peak_bytes)}
 
 
+# (model, experts, seq, micro-batch, activation checkpointing): each model both ways at seq 256, micro-batch 1;
+# and Mixtral where activations outgrow the optimizer step, without checkpointing (the peak is at the loss,
+# where everything saved is live: the same under any routing) and with it (the peak is in a block's
+# recomputation, where the largest expert's tensors are)
+ROWS = [*((m, e, SEQ, 1, "none") for m in MODELS for e in ("default", "eager")),
+        ("mixtral", "eager", 4096, 8, "none"), ("mixtral", "eager", 4096, 8, "all")]
+
+
 def scale(models: list[str], timeout: int) -> list[dict]:
     rows = []
-    for model_type in models:
-        for experts in ("default", "eager"):
-            cmd = [sys.executable, __file__, "--one", f"{model_type}:{experts}"]
+    for model_type, experts, seq, micro_batch, checkpoint in ROWS:
+        if model_type in models:
+            cmd = [sys.executable, __file__, "--one", f"{model_type}:{experts}:{seq}:{micro_batch}:{checkpoint}"]
             t0 = time.perf_counter()
+            key = {"model": model_type, "experts": experts, "seq": seq, "micro_batch": micro_batch,
+                   "checkpoint": checkpoint}
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
                 row = json.loads(lines[-1]) if lines else {
-                    "model": model_type, "experts": experts, "method": "error",
-                    "reason": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+                    **key, "method": "error", "reason": (done.stderr.strip().splitlines() or ["no output"])[-1]}
             except subprocess.TimeoutExpired:
-                row = {"model": model_type, "experts": experts, "method": f"timeout after {timeout} s",
-                       "wall_s": round(time.perf_counter() - t0, 1)}
+                row = {**key, "method": f"timeout after {timeout} s", "wall_s": round(time.perf_counter() - t0, 1)}
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -191,18 +202,20 @@ def _pct(a, b) -> str:
 def markdown(result: dict) -> str:
     out = []
     if result.get("scale"):
-        out += ["| model (library default) | experts | layers | params | method | routing | wall s | CPU s | "
-                "peak RSS GiB | balanced peak GiB | balanced device GiB | bound peak GiB | bound device GiB |",
-                "|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += ["| model (library default) | experts | layers | seq x micro-batch | checkpointing | params | method | "
+                "routing | wall s | CPU s | peak RSS GiB | balanced peak GiB | balanced device GiB | bound peak GiB | "
+                "bound device GiB |", "|---|---|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in result["scale"]:
             if "parameters" not in r:
-                out.append(f"| {r['model']} | {r['experts']} | | | {r['method']} {r.get('reason', '')} | | "
+                out.append(f"| {r['model']} | {r['experts']} | | {r.get('seq', SEQ)} x {r.get('micro_batch', 1)} | "
+                           f"{r.get('checkpoint', 'none')} | | {r['method']} {r.get('reason', '')} | | "
                            f"{r.get('wall_s', '')} | | | | | | |")
                 continue
             routing = r["routing"] or "-"
             if r["bound_routing"]:
                 routing += f" (bound: {r['bound_routing']})"
-            out.append(f"| {r['model']} | {r['experts']} | {r['layers']} | {r['parameters'] / 1e9:.1f}B | "
+            out.append(f"| {r['model']} | {r['experts']} | {r['layers']} | {r.get('seq', SEQ)} x {r.get('micro_batch', 1)} | "
+                       f"{r.get('checkpoint', 'none')} | {r['parameters'] / 1e9:.1f}B | "
                        f"{r['method']} | {routing} | {r['wall_s']} | {r['cpu_s']} | "
                        f"{r['peak_rss_bytes'] / 2**30:.2f} | {_gib(r['peak_bytes'])} | {_gib(r['device_peak_bytes'])} | "
                        f"{_gib(r['bound_peak_bytes'])} | {_gib(r['bound_device_peak_bytes'])} |")
@@ -237,8 +250,9 @@ def main() -> None:
     path = HERE / "results" / "moe.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     if "scale" in result:  # rows of models not run this time are kept
-        rows = {(r["model"], r["experts"]): r for r in old.get("scale", []) + result["scale"]}
-        result["scale"] = [rows[m, e] for m in MODELS for e in ("default", "eager") if (m, e) in rows]
+        rows = {(r["model"], r["experts"], r.get("seq", SEQ), r.get("micro_batch", 1), r.get("checkpoint", "none")): r
+                for r in old.get("scale", []) + result["scale"]}
+        result["scale"] = [rows[key] for key in ROWS if key in rows]
     old.update(result)
     path.write_text(json.dumps(old, indent=1) + "\n")
     print(markdown(old))

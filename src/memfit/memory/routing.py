@@ -39,9 +39,10 @@ index order, its backward in reverse):
   nothing are skipped, so never get gradients). It bounds such code, not arbitrary code; a router with a
   capacity (Switch) caps these routings at its capacity, as the real run would.
 
-Only traces whose shapes depended on a router's choice carry an assumption (`followed`); a model whose
-experts are sized by tokens*k alone (transformers' default grouped_mm experts) traces without one, and
-its peak holds for any routing.
+Only traces whose shapes depended on a router's choice carry an assumption and pay the bound's traces
+(`followed`). Where other ops computed on the router's choices but no size depended on them (transformers'
+default grouped_mm experts size everything by tokens*k), the estimate says routing is "invariant": a fake
+trace that read no value holds for every value, so its peak is the bound too.
 
 Limits: a shadow is kept only up to `SHADOW_LIMIT_BYTES`; beyond it (or where an input has no shadow) the
 op runs on fake tensors alone, and a data-dependent op that needs the missing value fails as it would
