@@ -197,7 +197,7 @@ def test_transformers_loop_experts_follow_the_assumed_routing(tmp_path):
     assert bound > est.peak_bytes and bound == measured_peak(wl, cfg, Forced(ROUTINGS[est.routing["bound_routing"]]))
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_transformers_default_experts_trace_once_whatever_the_routing(model_type):
     """transformers' default grouped_mm experts size every tensor by tokens x k: no assumption is needed
     (one trace), and the peak is what a real step measures under its own (random) routing."""

@@ -26,6 +26,7 @@ from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces
+from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
 from memfit.step import TrainStep
@@ -75,6 +76,7 @@ class Estimate:
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
     phase_peaks: dict = dataclasses.field(default_factory=dict)  # Phase -> highest live bytes in it
     blocks: list = dataclasses.field(default_factory=list)       # the model's repeated blocks (checkpointing units)
+    routing: dict | None = None  # MoE: the routing assumption and the bound (memory/routing.py)
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -206,20 +208,24 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
 # ------------------------------------------------------------------------------------------- the trace
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:
-    return _traces(workload, config, dev, fake, [config.global_batch])[0]
+    return _traces(workload, config, dev, fake, [config.global_batch], routing_bound=fake)[0]
 
 
-def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int]) -> list[Probe]:
+def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int],
+            routing_bound: bool = False) -> list[Probe]:
     """Build once, prime the optimizer state, then measure one step per global batch size in `sizes`
-    (a size other than config.global_batch runs as one micro-batch of that size: the planner's probes)."""
+    (a size other than config.global_batch runs as one micro-batch of that size: the planner's probes).
+    On fake tensors, shapes that depend on an MoE router's choices follow balanced routing; with
+    `routing_bound`, such a step is traced again under each of the bound's routings (memory/routing.py)."""
     cuda_target = dev.kind == "cuda"
     notes: list[str] = []
     # A GPU target is traced on (fake) CPU; model what differs: the micro-batch is copied host -> device,
     # and optimizers default to their foreach kernels on CUDA (one temporary per parameter at once).
     move = _copy_to_device if cuda_target else move_batch
     mode = new_fake_mode() if fake else None
+    router = Routing() if fake else None  # just above the fake mode, below the counters
     results = []
-    with mode or contextlib.nullcontext(), quiet_fake_errors():
+    with mode or contextlib.nullcontext(), router or contextlib.nullcontext(), quiet_fake_errors():
         with FakeBuild(mode) if fake else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
@@ -240,6 +246,9 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
         for size in sizes:
             p = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
             p.estimate.method = "fake" if fake else "measured"
+            if router is not None:
+                add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, workload.batch(size),
+                                                                  []).estimate) if routing_bound else None)
             if scalars is not None and scalars.answered:
                 p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
                                         "lack: traced with 1 in their place (in torch.optim they only scale the "
