@@ -60,6 +60,9 @@ def test_image_batches_follow_the_config():
     # Perceiver's masked-LM decoder predicts every one of its 2,048 positions, whatever the input length.
     labels = hf.from_config(transformers.AutoConfig.for_model("perceiver"), seq=16).batch(1)["labels"]
     assert labels.shape == (1, 2048) and (labels[:, 16:] == -100).all()
+    # GIT's causal-LM loss skips the image's tokens before the text: its batches carry an image.
+    assert hf.from_config(transformers.AutoConfig.for_model("git"), seq=8).batch(1)["pixel_values"].shape == (
+        1, 3, 224, 224)
     # A Hub config names the class it was published as; that head wins over the model type's default.
     cfg = transformers.AutoConfig.for_model("clip", architectures=["CLIPModel"])
     assert hf.pick_task(cfg) == "contrastive"
@@ -89,6 +92,34 @@ def test_a_constructor_that_reads_tensors_builds_on_fake_tensors():
     assert est.method == "fake"
     assert seen[-1] == [[0.0], pytest.approx([0.1, 0.2, 0.3])]
     assert est.model_state_bytes["parameters"] == (16 * 4 + 4) * 4
+
+
+def test_layerdrop_is_traced_with_no_layer_skipped_and_says_so():
+    """`if torch.rand([]) < layerdrop: skip` branches on a random number; the fake trace takes the branch in
+    which every layer runs, the step's largest memory: the same peak as the model without LayerDrop."""
+
+    class Net(nn.Module):
+        def __init__(self, layerdrop):
+            super().__init__()
+            self.layerdrop = layerdrop
+            self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                    continue
+                x = torch.tanh(layer(x))
+            return x
+
+    def workload(layerdrop):
+        return memfit.Workload(model=lambda: Net(layerdrop), batch=lambda n: {"x": torch.randn(n, 32)},
+                               loss=lambda m, b: m(b["x"]).square().mean(),
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="layerdrop")
+
+    dropping = memfit.estimate(workload(0.9), Config(micro_batch=8), isolate=False)
+    assert dropping.method == "fake" and any("LayerDrop" in note for note in dropping.notes)
+    plain = memfit.estimate(workload(0.0), Config(micro_batch=8), isolate=False)
+    assert dropping.peak_bytes == plain.peak_bytes and not any("LayerDrop" in note for note in plain.notes)
 
 
 def _cache(root, repo_id: str, config: dict, ref: bool = True):

@@ -23,7 +23,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, defaults_for, get_device
-from memfit.memory.fake import FakeBuild, FakeTensor, new_fake_mode, quiet_fake_errors, trace_optimizer
+from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces
 from memfit.memory.routing import Routing, add_routing
@@ -224,8 +224,10 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
     move = _copy_to_device if cuda_target else move_batch
     mode = new_fake_mode() if fake else None
     router = Routing() if fake else None  # just above the fake mode, below the counters
+    draws = LayerDropDraws() if fake else None
     results = []
-    with mode or contextlib.nullcontext(), router or contextlib.nullcontext(), quiet_fake_errors():
+    with mode or contextlib.nullcontext(), router or contextlib.nullcontext(), draws or contextlib.nullcontext(), \
+            quiet_fake_errors():
         with FakeBuild(mode) if fake else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
@@ -253,6 +255,10 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
                 p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
                                         "lack: traced with 1 in their place (in torch.optim they only scale the "
                                         "update; ASGD's averaging weight is 1 until step t0)")
+            if draws is not None and draws.answered:
+                p.estimate.notes.append("single random numbers drawn in the step (LayerDrop: a layer is skipped "
+                                        "when its draw is below layerdrop) traced as just below 1: no layer "
+                                        "skipped, the step's largest memory; a real step skips some and holds less")
             if sizes != [config.global_batch]:
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -13,8 +14,8 @@ from memfit.torch_internals import (FAKE_TENSOR_LOGGER, DataDependentOutputExcep
                                     TorchDispatchMode, fake_constant, fake_constants_up_to, make_op_outputs_swappable,
                                     trunc_normal_skipped, unset_fake_temporarily)
 
-__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "OptimizerScalars", "FakeBuild", "new_fake_mode",
-           "is_fake", "quiet_fake_errors", "op_flops", "trace_optimizer"]
+__all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "OptimizerScalars", "FakeBuild", "LayerDropDraws",
+           "new_fake_mode", "is_fake", "quiet_fake_errors", "op_flops", "trace_optimizer"]
 
 
 @contextlib.contextmanager
@@ -106,6 +107,30 @@ class FakeBuild(TorchFunctionMode):
                 real = func(*args, **kwargs)
             out = fake_constant(self.mode, real).requires_grad_(out.requires_grad)
         return out
+
+
+class LayerDropDraws(TorchFunctionMode):
+    """LayerDrop skips a layer when a fresh random number is below `layerdrop` (`if torch.rand([]) <
+    layerdrop`, in every transformers model that has it): a branch on a value fake tensors do not have.
+    Each draw of one number by `torch.rand` is answered with the largest value below 1, under which no
+    layer is skipped: the step's largest memory, the one a plan must fit (a real step skips each layer
+    with probability `layerdrop` and holds less). `answered` counts them, for the estimate's note."""
+
+    def __init__(self):
+        super().__init__()
+        self.answered = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        shape = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        if (func is torch.rand and all(isinstance(d, int) for d in shape) and math.prod(shape) == 1
+                and not {"generator", "out", "names"} & set(kwargs)):
+            self.answered += 1
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            below_one = 1 - torch.finfo(dtype).eps / 2
+            value = torch.tensor(below_one, dtype=dtype, device=kwargs.get("device"))  # a fake constant
+            return value.reshape(shape).requires_grad_(kwargs.get("requires_grad", False))
+        return func(*args, **kwargs)
 
 
 # FlopCounterMode has formulas for the CUDA attention kernels but not for the CPU flash kernel that the

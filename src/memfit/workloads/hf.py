@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -50,6 +52,9 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
                         qk_nope_head_dim=16, v_head_dim=32),
 }
 TASKS = ("causal", "masked", "seq2seq", "image", "contrastive")
+# Causal LMs whose loss assumes an image's tokens before the text (GIT drops that many logits): their
+# batches carry images too.
+IMAGE_PREFIXED = frozenset({"git"})
 # Classifiers whose config names no input size: the ImageNet size they are trained at.
 DEFAULT_IMAGE_SIZE = 224
 
@@ -190,9 +195,8 @@ LEARNED_POSITIONS = frozenset({"gpt2", "gpt_neo", "opt", "gpt_bigcode", "biogpt"
 ROBERTA_LIKE = frozenset({"roberta", "xlm-roberta", "camembert", "data2vec-text"})
 
 
-def _max_positions(config) -> int | None:
-    """The longest sequence the position table allows, or None where there is no such limit."""
-    text = config.get_text_config()
+def _max_positions(text) -> int | None:
+    """The longest sequence the text config's position table allows, or None where there is no such limit."""
     model_type = getattr(text, "model_type", None)
     if model_type not in LEARNED_POSITIONS:
         return None
@@ -217,12 +221,17 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         raise WorkloadError(f"hf: task must be one of {', '.join(TASKS)}, got {task!r}")
     if cfg.model_type not in _task_tables()[task]:
         raise WorkloadError(f"hf: transformers has no {task} head for model_type {cfg.model_type!r}")
-    text = cfg.get_text_config()
-    limit = _max_positions(cfg)
+    try:
+        text = cfg.get_text_config()
+    except ValueError as e:  # several text models (MusicGen: a text encoder and an audio-code decoder)
+        raise WorkloadError(f"hf: {cfg.model_type} has no single text model for memfit's token batches: {e}") from None
+    limit = _max_positions(text)
     if task == "contrastive":
         limit = getattr(text, "max_position_embeddings", None)
+    # Reformer's axial position embeddings factor the sequence: training runs only at their product.
+    axial = math.prod(cfg.axial_pos_shape) if getattr(cfg, "axial_pos_embds", False) else None
     if seq is None:
-        seq = min(128, limit) if task == "contrastive" and limit else 128
+        seq = axial or (min(128, limit) if task == "contrastive" and limit else 128)
         if task == "image" and _input_name(cfg, task) == "input_ids":  # ImageGPT: one token per pixel
             seq = getattr(cfg, "n_positions", None) or seq
     try:
@@ -234,6 +243,9 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
                             f"{target_seq!r}, {image_size!r}") from None
     if seq < 1 or target_seq < 1 or (image_size is not None and image_size < 1):
         raise WorkloadError("hf: seq, target_seq and image_size must be at least 1")
+    if axial and seq != axial:
+        raise WorkloadError(f"hf: {cfg.model_type} trains only at seq {axial}, the product of its config's "
+                            f"axial_pos_shape {tuple(cfg.axial_pos_shape)}")
     if limit is not None and max(seq, target_seq) > limit and task != "image":
         raise WorkloadError(f"hf: seq {max(seq, target_seq)} is longer than this model's {limit} positions")
     vocab = getattr(text, "vocab_size", None)
@@ -254,7 +266,9 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         # Where one model type has several classes for a head (DeiT, LeViT), transformers picks by this list
         # and fails without one; the table's first class is the one it would build.
         cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
-    images = _image_batch(cfg, task, image_size, seq) if task in ("image", "contrastive") else None
+    with_images = task in ("image", "contrastive") or cfg.model_type in IMAGE_PREFIXED
+    takes = inspect.signature(_model_class(cfg, task).forward).parameters if task != "image" else {}
+    images = _image_batch(cfg, task, image_size, seq) if with_images else None
     # Perceiver's masked-LM decoder predicts all max_position_embeddings positions, whatever the input length.
     outputs = cfg.max_position_embeddings if task == "masked" and cfg.model_type == "perceiver" else seq
 
@@ -273,10 +287,20 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         # Full rows, no padding, so no attention mask: transformers skips a mask of all ones after reading
         # it, which it cannot do on fake tensors, and would build a T x T mask the real step never makes.
         ids = torch.randint(0, vocab, (n, seq))
+        extra = {}
+        if "lengths" in takes:  # XLM-likes count each row's non-padding tokens and assert on the count: rows are full
+            extra["lengths"] = torch.full((n,), seq, dtype=torch.long)
+        if "lang_ids" in takes:  # X-MOD routes each row through its language's adapters: the config's first
+            extra["lang_ids"] = torch.zeros(n, dtype=torch.long)
+        return {**text_batch(ids), **extra}
+
+    def text_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = len(ids)
         if task == "contrastive":
             return {"input_ids": ids, **images(n)}
         if task == "causal":
-            return {"input_ids": ids, "labels": ids.clone()}  # the model shifts labels itself
+            text = {"input_ids": ids, "labels": ids.clone()}  # the model shifts labels itself
+            return {**text, **images(n)} if images else text
         if task == "masked":
             chosen = torch.rand(n, seq) < 0.15
             chosen[:, 0] = True  # at least one target per row, or the mean loss would be 0/0
@@ -289,7 +313,7 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         with _rows_not_packed():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
-        if out.loss is None:
+        if getattr(out, "loss", None) is None:
             raise WorkloadError(f"hf: {type(m).__name__} returns no loss to train")
         return out.loss
 
@@ -300,11 +324,14 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     return Workload(model=model, batch=batch, loss=loss, optimizer=optimizer, name=label)
 
 
+def _model_class(cfg, task: str):
+    """The class transformers builds for this head (the table's first where it names several), or None."""
+    return getattr(_transformers(), _class_names(_task_tables()[task][cfg.model_type])[0], None)
+
+
 def _input_name(cfg, task: str) -> str:
     """The model's main input (`pixel_values` for most vision models; ImageGPT reads pixel tokens)."""
-    entry = _task_tables()[task][cfg.model_type]
-    cls = getattr(_transformers(), _class_names(entry)[0], None)
-    return getattr(cls, "main_input_name", "pixel_values")
+    return getattr(_model_class(cfg, task), "main_input_name", "pixel_values")
 
 
 def _image_batch(cfg, task: str, image_size: int | None, seq: int):
@@ -314,7 +341,7 @@ def _image_batch(cfg, task: str, image_size: int | None, seq: int):
     size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
     height, width = (size, size) if isinstance(size, int) else tuple(size)
     channels = getattr(vision, "num_channels", None) or 3
-    key = "pixel_values" if task == "contrastive" else _input_name(cfg, task)
+    key = "pixel_values" if task != "image" else _input_name(cfg, task)
     if key == "input_ids" and not getattr(cfg, "vocab_size", None):  # ShieldGemma 2: a prompt around the image
         raise WorkloadError(f"hf: {cfg.model_type} classifies images from a text prompt with image tokens, "
                             "which memfit's image batches do not make")
@@ -325,7 +352,7 @@ def _image_batch(cfg, task: str, image_size: int | None, seq: int):
             inputs = torch.randint(0, cfg.vocab_size, (n, seq))
         else:
             inputs = torch.randn(n, channels, height, width)
-        if task == "contrastive":
+        if task != "image":
             return {key: inputs}
         return {key: inputs, "labels": torch.randint(0, labels, (n,))}
 
