@@ -135,23 +135,30 @@ class Routing(TorchDispatchMode):
 
     def _shadow_args(self, args, kwargs):
         """(args, kwargs, routers) with each fake tensor replaced by its shadow; None if one has none."""
-        routers, missing = frozenset(), False
+        if self._unshadowed(args) or self._unshadowed(kwargs.values()):  # most ops: one look at the first
+            return None
+        routers = frozenset()
 
         def swap(x):
-            nonlocal routers, missing
+            nonlocal routers
             if isinstance(x, torch.Tensor) and is_fake(x):
                 s = self.shadow(x)
-                if s is None:
-                    missing = True
-                    return x
                 routers |= s.routers
                 return s.value
             if isinstance(x, (list, tuple)):
                 return type(x)(swap(v) for v in x)
             return x
 
-        real_args, real_kwargs = swap(args), {k: swap(v) for k, v in kwargs.items()}
-        return None if missing else (real_args, real_kwargs, routers)
+        return swap(args), {k: swap(v) for k, v in kwargs.items()}, routers
+
+    def _unshadowed(self, xs) -> bool:
+        for x in xs:
+            if isinstance(x, torch.Tensor):
+                if is_fake(x) and self.shadow(x) is None:
+                    return True
+            elif isinstance(x, (list, tuple)) and self._unshadowed(x):
+                return True
+        return False
 
     def _real(self, func, shadow_args):
         """The op on the shadows, outside the fake mode; None where real kernels refuse the values."""
