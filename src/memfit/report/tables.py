@@ -53,7 +53,7 @@ def estimate_view(est: Estimate) -> Group:
         parts.append(Text(f"fits: {fmt_bytes(left)} of {est.device} memory left" if left >= 0 else
                           f"does NOT fit: over {est.device}'s memory by {fmt_bytes(-left)}",
                           style="green" if left >= 0 else "bold red"))
-    if est.routing:
+    if est.routing and est.routing["assumption"] != "invariant":  # invariant: the notes say so
         parts.append(_routing_view(est))
     if est.modules:
         mods = Table(title="activations + temporaries at the peak, by module", title_justify="left", show_edge=False)
@@ -78,11 +78,9 @@ _BOUND_ROUTINGS = {"collapsed": "k experts take every token", "first": "the firs
                    "last": "the last expert takes every token", "balanced": "no extreme routing exceeds balanced"}
 
 
-def _routing_view(est: Estimate):
+def _routing_view(est: Estimate) -> Table:
     """An MoE's peak under the routing it was estimated with, and its bound (memory/routing.py)."""
     r = est.routing
-    if r["assumption"] == "invariant":
-        return Text(f"MoE routing ({r['routers']}): no tensor's size depends on it, the peak holds for any routing")
     table = Table(title=f"MoE routing ({r['routers']}) decides tensor sizes", title_justify="left", show_edge=False)
     table.add_column("routing")
     table.add_column("peak", justify="right")
