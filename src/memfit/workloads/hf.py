@@ -308,7 +308,13 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
             if outputs > seq:  # positions past the input are no one's target
                 labels = torch.cat([labels, torch.full((n, outputs - seq), -100)], dim=1)
             return {"input_ids": ids, "labels": labels}
-        return {"input_ids": ids, "labels": torch.randint(0, vocab, (n, target_seq))}
+        labels = torch.randint(0, vocab, (n, target_seq))
+        if "decoder_input_ids" not in takes:
+            return {"input_ids": ids, "labels": labels}
+        # The labels shifted right, as seq2seq data collators give them: models that shift labels themselves
+        # check the values as they do (ProphetNet asserts that none is negative), which fake tensors cannot.
+        start = torch.full((n, 1), cfg.decoder_start_token_id, dtype=labels.dtype)
+        return {"input_ids": ids, "labels": labels, "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}
 
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         with _rows_not_packed():
