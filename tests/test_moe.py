@@ -127,6 +127,9 @@ def test_routing_mode_answers_what_fake_tensors_refuse_from_the_assumed_choices(
         token, slot = torch.where(choice == 7)
         assert out.index_add(0, token, x[token] * weights[token, slot, None]).shape == (12, 16)
         assert routing.routers == {(2, 8)} and {"nonzero", "bincount", "_local_scalar_dense"} <= set(routing.followed)
+        top1 = torch.randn(2, 6, 4).argmax(dim=-1)  # a top-1 router (Switch): token i of all 12 takes expert i mod 4
+        assert top1.flatten().tolist() == [i % 4 for i in range(12)]
+        assert torch.randn(12, 4).max(dim=-1, keepdim=True).indices.flatten().tolist() == [i % 4 for i in range(12)]
 
         wide = torch.randn(12, MAX_CHOICES + 1).topk(2, dim=-1).indices  # not a router: no values
         with pytest.raises(DATA_DEPENDENT_ERRORS):
