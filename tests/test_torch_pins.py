@@ -15,9 +15,9 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned = {"FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode", "grad_scaler_tensors",
               "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tree_leaves"}
     pinned |= {"DataDependentOutputException", "make_op_outputs_swappable"}  # modules and optimizers on fake
+    pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     pinned |= {"detach_sharing_version", "tensor_version"}  # selective checkpointing's kept outputs
     pinned |= {"profiler_call_allocations"}  # CPU convolution workspaces, measured
-    pinned |= {"autocast_disabled", "autocast_kernel_ops"}  # CUDA autocast's policy on a CPU trace
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     assert set(ti.__all__) == pinned
@@ -127,6 +127,49 @@ def test_fake_tensor_errors_are_logged_under_the_pinned_logger_name():
     assert ti.FAKE_TENSOR_LOGGER in logging.Logger.manager.loggerDict
 
 
+def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
+    """A plain FakeTensorMode keeps a weak reference to the outputs of an op's first call, which makes
+    `Module.to()` fail to swap such a parameter (PEFT moves every adapter layer it makes). If this starts to
+    pass without `make_op_outputs_swappable`, torch fixed it and the shim can go."""
+    with ti.FakeTensorMode(allow_non_fake_inputs=True):
+        layer = torch.nn.Linear(3, 5)
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            layer.to(torch.float64)
+    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+    ti.make_op_outputs_swappable(mode)
+    with mode:
+        layer = torch.nn.Linear(3, 5)
+        assert not weakref.getweakrefs(layer.weight)
+        layer.to(torch.float64)
+        assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
+        assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
+
+
+def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():
+    """OptimizerScalars answers exactly this exception of this op."""
+    with new_fake_mode():
+        x = torch.randn(4)
+        with pytest.raises(ti.DataDependentOutputException) as e:
+            x.norm().item()
+    assert e.value.func is torch.ops.aten._local_scalar_dense.default
+
+
+def test_autocast_kernels_are_listed_per_dispatch_key():
+    """Even a CPU-only build registers CUDA autocast's kernels: memfit checks its CUDA lists against them."""
+    cuda, cpu = ti.autocast_kernel_ops("AutocastCUDA"), ti.autocast_kernel_ops("AutocastCPU")
+    assert {"mm", "softmax.int", "layer_norm", "sum.dim_IntList", "binary_cross_entropy"} <= cuda
+    assert {"mm", "cat", "cross_entropy_loss"} <= cpu and "softmax.int" not in cpu and "relu" not in cuda | cpu
+    assert "mm.out" not in cuda and "add.Tensor" not in cuda  # out= variants and untouched ops: no kernel
+
+
+def test_autocast_disabled_excludes_autocast_for_what_runs_inside():
+    x = torch.randn(2, 2)
+    with torch.autocast("cpu", dtype=torch.float16):
+        with ti.autocast_disabled():
+            assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        assert (x @ x).dtype == torch.float16 and torch.is_autocast_enabled("cpu")
+
+
 def test_a_detach_inside_a_dispatch_mode_can_share_the_version_counter():
     """Selective checkpointing keeps detached matmul outputs and must see them modified in place later. A
     plain detach inside a TorchDispatchMode gets a counter of its own; if that ever changes, the shim can go."""
@@ -147,22 +190,6 @@ def test_a_detach_inside_a_dispatch_mode_can_share_the_version_counter():
     plain, shared = kept
     assert ti.tensor_version(plain) == before[0] and ti.tensor_version(shared) == before[1] + 1 == ti.tensor_version(y)
     assert shared.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and not shared.requires_grad
-
-
-def test_autocast_kernels_are_listed_per_dispatch_key():
-    """Even a CPU-only build registers CUDA autocast's kernels: memfit checks its CUDA lists against them."""
-    cuda, cpu = ti.autocast_kernel_ops("AutocastCUDA"), ti.autocast_kernel_ops("AutocastCPU")
-    assert {"mm", "softmax.int", "layer_norm", "sum.dim_IntList", "binary_cross_entropy"} <= cuda
-    assert {"mm", "cat", "cross_entropy_loss"} <= cpu and "softmax.int" not in cpu and "relu" not in cuda | cpu
-    assert "mm.out" not in cuda and "add.Tensor" not in cuda  # out= variants and untouched ops: no kernel
-
-
-def test_autocast_disabled_excludes_autocast_for_what_runs_inside():
-    x = torch.randn(2, 2)
-    with torch.autocast("cpu", dtype=torch.float16):
-        with ti.autocast_disabled():
-            assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-        assert (x @ x).dtype == torch.float16 and torch.is_autocast_enabled("cpu")
 
 
 def test_fake_constants_carry_values_and_keep_them_through_small_ops_only_under_a_raised_limit():
@@ -202,33 +229,6 @@ def test_trunc_normal_reads_values_and_can_be_skipped_for_chosen_tensors():
     with ti.trunc_normal_skipped(is_fake):
         torch.nn.init.trunc_normal_(real, std=1.0, a=-2.0, b=2.0)  # real tensors are still sampled
     assert real.abs().max() <= 2.0 and real.std() > 0.5
-
-
-def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
-    """A plain FakeTensorMode keeps a weak reference to the outputs of an op's first call, which makes
-    `Module.to()` fail to swap such a parameter (PEFT moves every adapter layer it makes). If this starts to
-    pass without `make_op_outputs_swappable`, torch fixed it and the shim can go."""
-    with ti.FakeTensorMode(allow_non_fake_inputs=True):
-        layer = torch.nn.Linear(3, 5)
-        with pytest.raises(RuntimeError, match="Couldn't swap"):
-            layer.to(torch.float64)
-    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
-    ti.make_op_outputs_swappable(mode)
-    with mode:
-        layer = torch.nn.Linear(3, 5)
-        assert not weakref.getweakrefs(layer.weight)
-        layer.to(torch.float64)
-        assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
-        assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
-
-
-def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():
-    """OptimizerScalars answers exactly this exception of this op."""
-    with new_fake_mode():
-        x = torch.randn(4)
-        with pytest.raises(ti.DataDependentOutputException) as e:
-            x.norm().item()
-    assert e.value.func is torch.ops.aten._local_scalar_dense.default
 
 
 def test_profiler_lists_each_calls_allocations_in_order():

@@ -14,12 +14,13 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "TorchDispatchMode",
-           "autocast_disabled", "autocast_kernel_ops", "detach_sharing_version", "fake_constant",
-           "fake_constants_up_to", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_call_allocations",
-           "profiler_memory_timeline",
-           "profiler_surviving_allocations", "storage_key", "tensor_version", "tree_leaves", "trunc_normal_skipped",
-           "unset_fake_temporarily"]
+__all__ = ["DATA_DEPENDENT_ERRORS", "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "FakeTensor",
+           "FakeTensorMode", "TorchDispatchMode", "autocast_disabled", "autocast_kernel_ops",
+           "detach_sharing_version", "grad_scaler_tensors",
+           "make_op_outputs_swappable", "profiler_call_allocations", "profiler_memory_timeline",
+           "profiler_surviving_allocations", "storage_key",
+           "tensor_version", "tree_leaves", "unset_fake_temporarily", "fake_constant", "fake_constants_up_to",
+           "trunc_normal_skipped"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -36,6 +37,19 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     return storage._cdata
 
 
+def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
+    """Let `Module.to()` / `_apply` move fake parameters. It swaps them with `torch.utils.swap_tensors`,
+    which refuses a tensor that has a weak reference, and `mode` keeps one to every tensor an op makes on
+    its slow path (first call of an op on new shapes), in a weak-value memo keyed by the fresh meta tensor
+    the output wraps: "_apply(): Couldn't swap Linear.weight" when PEFT moves an adapter layer. That memo
+    is never looked up again for an op output (its key is dropped with the op), and the fast path (the
+    dispatch cache) already makes outputs without it; make every output that way."""
+    def from_meta_and_device(fake_mode, t, device, pytype=None, dispatch_keys=None):
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+    mode.fake_tensor_converter.from_meta_and_device = from_meta_and_device
+
+
 def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
     """`t.detach()` called inside a TorchDispatchMode, sharing `t`'s version counter as a detach above
     the mode would: there the autograd keys are excluded, and a detach made without ADInplaceOrView gets a
@@ -48,19 +62,6 @@ def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:
 def tensor_version(t: torch.Tensor) -> int:
     """How many times `t`'s data was modified in place (shared by its views and version-sharing detaches)."""
     return t._version
-
-
-def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
-    """Let `Module.to()` / `_apply` move fake parameters. It swaps them with `torch.utils.swap_tensors`,
-    which refuses a tensor that has a weak reference, and `mode` keeps one to every tensor an op makes on
-    its slow path (first call of an op on new shapes), in a weak-value memo keyed by the fresh meta tensor
-    the output wraps: "_apply(): Couldn't swap Linear.weight" when PEFT moves an adapter layer. That memo
-    is never looked up again for an op output (its key is dropped with the op), and the fast path (the
-    dispatch cache) already makes outputs without it; make every output that way."""
-    def from_meta_and_device(fake_mode, t, device, pytype=None, dispatch_keys=None):
-        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
-
-    mode.fake_tensor_converter.from_meta_and_device = from_meta_and_device
 
 
 def grad_scaler_tensors(scaler: torch.amp.GradScaler) -> list[torch.Tensor]:
