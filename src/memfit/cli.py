@@ -310,7 +310,8 @@ def cmd_list(args) -> int:
     for w in workloads:
         table.add_row(w["name"], w["model"], f"{w['parameters']:,}" if w["parameters"] is not None else "-", w["sample"])
     console.print(table)
-    console.print("hf:llama, hf:gpt2, hf:bert and hf:t5 are toy sizes for a quick check, not the published models; "
+    console.print(f"{', '.join(f'hf:{t}' for t in SMALL_CONFIGS)} are toy sizes for a quick check, not the "
+                  "published models; "
                   "hf:path/to/config.json builds the real architecture from its config (no weights are downloaded).",
                   style="dim")
     table = Table(title="GPU catalogue (--device NAME)", title_justify="left", show_edge=False)
