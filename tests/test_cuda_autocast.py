@@ -9,7 +9,6 @@ from torch import nn
 import memfit
 from memfit import Config
 from memfit.errors import WorkloadError
-from memfit.memory import kernels
 from memfit.memory.fake import new_fake_mode
 from memfit.strategies import cuda_autocast as ca
 from memfit.torch_internals import TorchDispatchMode, autocast_kernel_ops, tree_leaves
@@ -307,14 +306,6 @@ class LayerNormAttention(nn.Module):
         o = p @ v
         del p, v
         return self.tail(self.out(o.transpose(1, 2).reshape(B, T, D)))
-
-
-@pytest.fixture
-def without_cpu_workspaces(monkeypatch):
-    """The CPU target's oneDNN workspaces (bf16 matmul scratchpads) are measured on the processor that runs the
-    test and differ between processors (AVX512-BF16/AMX or not); what is compared here is what each target's
-    policy keeps, so the CPU trace counts none."""
-    monkeypatch.setattr(kernels.CpuWorkspaces, "__call__", lambda self, func, args, kwargs, out: 0)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -8,7 +8,6 @@ from torch import nn
 
 import memfit
 from memfit import Config
-from memfit.memory import kernels
 from memfit.strategies import cuda_kernels
 from memfit.torch_internals import TorchDispatchMode
 
@@ -42,14 +41,6 @@ class DropoutMLP(nn.Module):
 
     def forward(self, x):
         return self.tail(self.down(self.drop(self.up(x))))
-
-
-@pytest.fixture
-def without_cpu_workspaces(monkeypatch):
-    """The CPU target's oneDNN workspaces (bf16 matmul scratchpads) are measured on the processor that runs the
-    test and differ between processors (AVX512-BF16/AMX or not); what is compared here is what each target's
-    policy keeps, so the CPU trace counts none."""
-    monkeypatch.setattr(kernels.CpuWorkspaces, "__call__", lambda self, func, args, kwargs, out: 0)
 
 
 @pytest.mark.parametrize("precision, element", [("fp32", 4), ("bf16", 2)])

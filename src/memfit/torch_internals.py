@@ -14,13 +14,11 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DATA_DEPENDENT_ERRORS", "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "FakeTensor",
-           "FakeTensorMode", "TorchDispatchMode", "autocast_disabled", "autocast_kernel_ops",
-           "detach_sharing_version", "grad_scaler_tensors",
-           "make_op_outputs_swappable", "profiler_call_allocations", "profiler_memory_timeline",
-           "profiler_surviving_allocations", "storage_key",
-           "tensor_version", "tree_leaves", "unset_fake_temporarily", "fake_constant", "fake_constants_up_to",
-           "trunc_normal_skipped"]
+__all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
+           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "FAKE_TENSOR_LOGGER", "FakeTensor",
+           "FakeTensorMode", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_call_allocations",
+           "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tensor_version",
+           "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
