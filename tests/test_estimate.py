@@ -188,3 +188,35 @@ def test_a_model_that_cannot_train_at_micro_batch_1_says_so_and_the_cli_picks_on
     assert main(["estimate", "mlp-tiny", "--json"]) == 0
     out = json.loads(capfd.readouterr().out)
     assert out["config"]["micro_batch"] == 1 and out["notes"][0].startswith("micro-batch not given: 1")
+
+
+class BranchesOnItsInputs(nn.Module):
+    """Reads values a fake tensor lacks: whether the batch holds padding (fsmt, longformer branch so) and
+    whether an activation is NaN (I-BERT asserts so). The padded branch keeps a masked copy for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4, 64)
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        assert h.isnan().sum() == 0, "NaN"
+        pad = tokens.eq(0)
+        if pad.any():  # the branch a real step takes on this batch: it always holds a 0 below
+            h = h.masked_fill(pad.unsqueeze(-1), 0.0) * 2
+        return self.out(h)
+
+
+@pytest.mark.parametrize("with_padding", [True, False])
+def test_a_model_that_branches_on_its_batch_traces_on_fake_and_takes_the_real_branch(with_padding):
+    low = 0 if with_padding else 1
+    wl = memfit.Workload(model=BranchesOnItsInputs,
+                         batch=lambda n: {"tokens": torch.randint(low, 4, (n, 256))},
+                         loss=lambda m, b: F.cross_entropy(m(b["tokens"]).flatten(0, 1), b["tokens"].flatten()),
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="branches")
+    cfg = Config(micro_batch=8)
+    est = memfit.estimate(wl, cfg)
+    assert est.method == "fake", est.notes
+    assert any("NaN/inf" in n for n in est.notes)
+    assert est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)

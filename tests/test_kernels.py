@@ -212,3 +212,26 @@ def test_a_gpu_target_estimate_holds_the_cudnn_workspace_at_the_convolution(monk
     im2col = 4 * channels * 9 * size * size * 4
     assert with_ws.peak_bytes - without.peak_bytes == im2col
     assert any("cuDNN convolution workspace assumed" in n for n in with_ws.notes)
+
+
+class CountsItsMask(nn.Module):
+    """Position ids from a mask, as transformers makes them (`mask.int().cumsum(-1)`), and counts of a bool
+    mask: CPU reductions that copy their whole input into int64 first (at this step's peak: 8 bytes for
+    each element of the 4 x 4096 x 32 mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(512, 32)
+
+    def forward(self, tokens):
+        positions = (tokens > 3).int().cumsum(-1)
+        h = self.emb(tokens + positions % 7)
+        return h.mean() * (h > 0).sum(-1).max()
+
+
+def test_reductions_that_accumulate_in_int64_hold_a_copy_on_the_cpu():
+    wl = memfit.Workload(model=CountsItsMask, batch=lambda n: {"tokens": torch.randint(0, 500, (n, 4096))},
+                         loss=lambda m, b: m(b["tokens"]),
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="counts")
+    cfg = memfit.Config(micro_batch=4)
+    assert memfit.estimate(wl, cfg).peak_bytes == real_step_peak(wl, cfg)

@@ -245,12 +245,20 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
         if not cuda_target and (config.offload_activations or config.offload_optimizer):
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()
+
+        def draw(size):  # on fake tensors, the batch is drawn for real beside them where it is small
+            with router.drawing() if router is not None else contextlib.nullcontext():
+                return workload.batch(size)
+
         for size in sizes:
-            p = _measure(workload, step, dev, mode, workload.batch(size), list(notes))
+            p = _measure(workload, step, dev, mode, draw(size), list(notes))
             p.estimate.method = "fake" if fake else "measured"
             if router is not None:
-                add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, workload.batch(size),
+                add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, draw(size),
                                                                   []).estimate) if routing_bound else None)
+                if router.assumed_finite:
+                    p.estimate.notes.append("the model checks its values for NaN/inf, which fake tensors lack: "
+                                            "answered as all finite, the values of a step that trains")
             if scalars is not None and scalars.answered:
                 p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
                                         "lack: traced with 1 in their place (in torch.optim they only scale the "

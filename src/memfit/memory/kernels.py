@@ -52,6 +52,12 @@ custom_function and gpt_sdpa in bf16 and ViT in bf16-pure are the profiler's pea
 matmuls run in MKL, whose buffers do not come from PyTorch's allocator (the profiler does not see them
 either).
 
+Reductions that accumulate in another dtype on the CPU (sum, prod, cumsum, cumprod of a bool or integer
+tensor into int64, or with `dtype=`): the kernel first copies the whole input into the output's dtype
+(numel x output element bytes) and frees it on return, e.g. `mask.sum()` of a bool mask holds 8 bytes per
+element. Profiled for bool, uint8, int32, bf16->fp32 and fp32->fp64, full and per-dimension: exact
+(`CASTING_REDUCTIONS`, tests/test_kernels.py).
+
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):
     CPU TensorIterator ops with inputs of mixed dtype (bf16 * fp32): a promoted copy of the narrower input
@@ -148,6 +154,9 @@ MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.de
 # Matmuls in bf16 / fp16 go to oneDNN too, which takes an fp32 accumulator and per-thread packing buffers
 # from the same allocator; fp32 matmuls go to MKL, whose buffers PyTorch's allocator never sees.
 LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+# Reductions whose CPU kernels copy their input into the accumulation dtype first (module docstring).
+CASTING_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.prod.default, aten.prod.dim_int,
+                                aten.cumsum.default, aten.cumprod.default})
 # A measurement runs the op on real tensors of the traced shapes: their bytes, times this, must fit in the
 # memory the host has available (the outputs and the workspace come on top of the inputs).
 HEADROOM = 8
@@ -234,6 +243,9 @@ class CpuWorkspaces:
         self.unmeasured: set[str] = set()  # their signatures, not tried again
 
     def __call__(self, func, args, kwargs, out) -> int:
+        if func in CASTING_REDUCTIONS:
+            x = args[0]
+            return x.numel() * out.element_size() if isinstance(out, torch.Tensor) and out.dtype != x.dtype else 0
         if func not in MEASURED_OPS and not (func in LOW_PRECISION_MATMULS and out.dtype in (torch.bfloat16,
                                                                                          torch.float16)):
             return 0

@@ -7,7 +7,15 @@ mode and keeps, beside some fake tensors, a *shadow*: a small real CPU tensor ho
 would have. Shadows come from two places only:
 
 - values known without data: integer and boolean tensors made by deterministic factories (`arange`,
-  `zeros`, `full`, ... and real constants), exact;
+  `zeros`, `full`, ... and real constants), and small floating ones (`torch.ones` attention masks, up to
+  `FLOAT_FACTORY_LIMIT_BYTES`: not weights), exact;
+- the batch: tensors the workload's `batch()` draws inside `Routing.drawing()` are drawn for real beside
+  their fake twins, as a measured step would draw them (token ids are small), so a model that branches on
+  its inputs (`if not padding_mask.any()`, `is_global_attn = mask.any().item()`) takes the branch the real
+  step takes on a batch like the workload's;
+- finiteness checks: `isnan` / `isinf` / `isfinite` of a tensor without a shadow answer that every value is
+  finite (`assert not x.isnan().any()` in I-BERT's quantisers), the values of a step that trains; counted
+  in `assumed_finite`, for the estimate's note;
 - the router's choice, which is data: the indices of a top-k selection (`topk`, `argmax`, `max(dim)`) over
   at most `MAX_CHOICES` entries that are not known get the choices the assumption prescribes.
 
@@ -51,6 +59,7 @@ shadows; an in-place op that cannot be followed drops the shadows of everything 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -62,7 +71,8 @@ from memfit.memory.fake import is_fake
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, TorchDispatchMode, storage_key, tree_leaves, \
     unset_fake_temporarily
 
-__all__ = ["ASSUMPTIONS", "BOUND_ROUTINGS", "MAX_CHOICES", "SHADOW_LIMIT_BYTES", "Routing", "add_routing", "assumed_choices"]
+__all__ = ["ASSUMPTIONS", "BOUND_ROUTINGS", "FLOAT_FACTORY_LIMIT_BYTES", "MAX_CHOICES", "SHADOW_LIMIT_BYTES", "Routing",
+           "add_routing", "assumed_choices"]
 
 aten = torch.ops.aten
 
@@ -72,11 +82,14 @@ ASSUMPTIONS = ("balanced", *BOUND_ROUTINGS)
 # to 512 experts; a top-k over a vocabulary or over tokens is something else and keeps fake behaviour.
 MAX_CHOICES = 1024
 SHADOW_LIMIT_BYTES = 64 * 2**20
+FLOAT_FACTORY_LIMIT_BYTES = 2**20  # masks and small tables; parameters made by `torch.zeros` would cost host memory
 _SELECTIONS = {aten.topk.default, aten.argmax.default, aten.max.dim}
 _NO_VALUE = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
              aten.new_empty_strided.default}  # uninitialised memory: a shadow of it would be a made-up value
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 _EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FINITE_CHECKS = {aten.isnan.default: False, aten.isinf.default: False, aten.isposinf.default: False,
+                  aten.isneginf.default: False, aten.isfinite.default: True}
 
 
 @dataclasses.dataclass
@@ -98,6 +111,8 @@ class Routing(TorchDispatchMode):
         self.followed: dict[str, int] = {}  # op -> data-dependent results that read an assumed choice
         self.routers: set[tuple[int, int]] = set()  # (k, choices) of the routers those results read
         self.computed: set[tuple[int, int]] = set()  # routers whose choices other ops computed on (not views)
+        self.assumed_finite = 0  # finiteness checks answered as "all finite"
+        self._drawing = False  # inside drawing(): random factories draw real values too
         self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
         self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
@@ -108,6 +123,15 @@ class Routing(TorchDispatchMode):
     def __exit__(self, *exc):
         super().__exit__(*exc)
         self._format.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def drawing(self):
+        """Draw the batch: random factories inside it get real values beside their fake outputs."""
+        self._drawing = True
+        try:
+            yield
+        finally:
+            self._drawing = False
 
     def shadow(self, t: torch.Tensor) -> _Shadow | None:
         s = self._shadows.get(id(t))
@@ -123,12 +147,16 @@ class Routing(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DATA_DEPENDENT_ERRORS:
             return self._data_dependent(func, args, kwargs, shadow_args)
-        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out):
+        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing):
             self._attach(out, self._real(func, shadow_args), shadow_args[2])
             if not func.is_view:
                 self.computed |= shadow_args[2]
         elif shadow_args is None and func in _SELECTIONS:
             self._assume(func, args, kwargs, out)
+        elif shadow_args is None and func in _FINITE_CHECKS and out.untyped_storage().nbytes() <= SHADOW_LIMIT_BYTES:
+            self.assumed_finite += 1
+            with unset_fake_temporarily():
+                self._put(out, torch.full(out.shape, _FINITE_CHECKS[func]), frozenset())
         else:
             self._forget_mutated(args, kwargs, out)
         return out
@@ -323,15 +351,18 @@ def assumed_choices(assumption: str, rows: int, k: int, choices: int) -> torch.T
     return torch.cat([torch.full((rows, 1), choices - 1), rest], dim=1)
 
 
-def _may_shadow(func, args, kwargs, out) -> bool:
-    """Shadows are small, made only of values known without data."""
+def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
+    """Shadows are small, made only of values known without data, or of the batch while it is drawn."""
     fakes = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and is_fake(t)]
     if not fakes or any(t.untyped_storage().nbytes() > SHADOW_LIMIT_BYTES for t in fakes):
         return False
+    if drawing:
+        return True
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
-        return all(t.dtype in _EXACT_DTYPES for t in fakes)
+        return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES
+                   for t in fakes)
     return True
 
 
