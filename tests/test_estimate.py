@@ -201,7 +201,7 @@ class BranchesOnItsInputs(nn.Module):
 
     def forward(self, tokens):
         h = self.emb(tokens)
-        assert h.isnan().sum() == 0, "NaN"
+        assert h.isnan().sum() == 0 and (h == h).all(), "NaN"  # the second as torch.distributions checks
         pad = tokens.eq(0)
         if pad.any():  # the branch a real step takes on this batch: it always holds a 0 below
             h = h.masked_fill(pad.unsqueeze(-1), 0.0) * 2

@@ -13,9 +13,9 @@ would have. Shadows come from two places only:
   their fake twins, as a measured step would draw them (token ids are small), so a model that branches on
   its inputs (`if not padding_mask.any()`, `is_global_attn = mask.any().item()`) takes the branch the real
   step takes on a batch like the workload's;
-- finiteness checks: `isnan` / `isinf` / `isfinite` of a tensor without a shadow answer that every value is
-  finite (`assert not x.isnan().any()` in I-BERT's quantisers), the values of a step that trains; counted
-  in `assumed_finite`, for the estimate's note;
+- finiteness checks: `isnan` / `isinf` / `isfinite` / `x == x` of a tensor without a shadow answer that
+  every value is finite (`assert not x.isnan().any()` in I-BERT's quantisers, torch.distributions' argument
+  validation), the values of a step that trains; counted in `assumed_finite`, for the estimate's note;
 - the router's choice, which is data: the indices of a top-k selection (`topk`, `argmax`, `max(dim)`) over
   at most `MAX_CHOICES` entries that are not known get the choices the assumption prescribes.
 
@@ -153,10 +153,11 @@ class Routing(TorchDispatchMode):
                 self.computed |= shadow_args[2]
         elif shadow_args is None and func in _SELECTIONS:
             self._assume(func, args, kwargs, out)
-        elif shadow_args is None and func in _FINITE_CHECKS and out.untyped_storage().nbytes() <= SHADOW_LIMIT_BYTES:
+        elif shadow_args is None and _finite_check(func, args) is not None \
+                and out.untyped_storage().nbytes() <= SHADOW_LIMIT_BYTES:
             self.assumed_finite += 1
             with unset_fake_temporarily():
-                self._put(out, torch.full(out.shape, _FINITE_CHECKS[func]), frozenset())
+                self._put(out, torch.full(out.shape, _finite_check(func, args)), frozenset())
         else:
             self._forget_mutated(args, kwargs, out)
         return out
@@ -349,6 +350,17 @@ def assumed_choices(assumption: str, rows: int, k: int, choices: int) -> torch.T
     if assumption == "first":
         return torch.cat([torch.zeros(rows, 1, dtype=torch.long), rest + 1], dim=1)
     return torch.cat([torch.full((rows, 1), choices - 1), rest], dim=1)
+
+
+def _finite_check(func, args) -> bool | None:
+    """The answer of a finiteness check when every value is finite; None if `func` is not one. `x == x` and
+    `x != x` are NaN checks too (torch.distributions' argument validation spells them so)."""
+    if func in _FINITE_CHECKS:
+        return _FINITE_CHECKS[func]
+    if func in (aten.eq.Tensor, aten.ne.Tensor) and len(args) == 2 and args[0] is args[1] \
+            and args[0].dtype.is_floating_point:
+        return func is aten.eq.Tensor
+    return None
 
 
 def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
