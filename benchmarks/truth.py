@@ -7,7 +7,7 @@ import gc
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from memfit.torch_internals import profiler_memory_timeline
+from memfit.torch_internals import profiler_allocations, profiler_memory_timeline
 
 
 def profiler_peak(fn) -> int:
@@ -28,17 +28,102 @@ def profiler_peak(fn) -> int:
 
 
 def real_step_peak(workload, config, repeats: int = 2) -> int:
-    """Warm-up step, then profiled steps on fresh global batches: the step memfit.estimate predicts.
+    """Warm-up step, then profiled steps on fresh batches (one rank's share): the step memfit.estimate predicts.
     The minimum over `repeats` steps: the profiler also records the odd allocation made elsewhere in the
     process while it runs (seen: +42 KB once in three runs of a 62 KB step), which only ever adds."""
     from memfit.step import TrainStep
 
     torch.manual_seed(0)
     step = TrainStep(workload, config, "cpu")
-    step(workload.batch(config.global_batch))
+    step(workload.batch(config.rank_batch))
     peaks = []
     for _ in range(repeats):
-        batch = workload.batch(config.global_batch)
+        batch = workload.batch(config.rank_batch)
         peaks.append(profiler_peak(lambda: step(batch)))
         del batch
     return min(peaks)
+
+
+def allocator_step_peak(workload, config, repeats: int = 2) -> int:
+    """The peak of a real CPU step by the CPU allocator's own running total of allocated bytes, as the
+    profiler reports it with every allocation: the model is built, stepped once and stepped `repeats` more
+    times inside one profile, so every live byte was allocated under it; the peak is the highest total
+    during the last steps (their minimum, as in `real_step_peak`). Unlike the memory timeline this needs no
+    data-flow analysis, which FSDP2's storage resizing trips (profiler "version mismatch").
+
+    Left out: what gloo allocates inside its own collectives (`gloo:*` ops, on its thread): an all-gather
+    gathers into a buffer of the output's size and frees it when done, racing the step's own allocations.
+    NCCL gathers into the output itself, so a GPU rank has no such buffer; memfit estimates the step's own
+    memory and says so for CPU ranks."""
+    from torch.autograd.profiler import record_function
+
+    from memfit.step import TrainStep
+
+    torch.manual_seed(0)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = TrainStep(workload, config, "cpu")
+        step(workload.batch(config.rank_batch))
+        for i in range(repeats):
+            batch = workload.batch(config.rank_batch)
+            gc.collect()
+            with record_function(f"memfit.truth.step{i}"):
+                step(batch)
+            del batch
+    windows, events = profiler_allocations(prof, "memfit.truth.step")
+    base = events[0][2] - events[0][1]  # what earlier profiles in this process left live
+    running, backend, held = [], 0, set()  # gloo's own blocks: allocated inside a gloo op, freed anywhere
+    for t, size, total, op, ptr in events:
+        if size > 0 and op.startswith("gloo:"):
+            held.add(ptr)
+            backend += size
+        elif size < 0 and ptr in held:
+            held.discard(ptr)
+            backend += size
+        running.append((t, total - base - backend))
+    peaks = []
+    for start, end in windows:
+        before = [live for t, live in running if t < start]
+        inside = [live for t, live in running if start <= t <= end]
+        peaks.append(max([before[-1], *inside]))
+    return min(peaks)
+
+
+def rank_step_peaks(workload, config, repeats: int = 2, timeout: float = 300.0) -> list[int]:
+    """`allocator_step_peak` on each of config.gpus real ranks (forked processes joined by gloo on this machine),
+    each rank stepping on its own share of the batch: every rank's own profiler peak, rank 0 first."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+
+    def rank_main(rank: int) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=config.gpus)
+            torch.set_num_threads(1)
+            results.put((rank, allocator_step_peak(workload, config, repeats)))
+            dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            results.put((rank, repr(e)))
+
+    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(config.gpus)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, v in got.items() if isinstance(v, str)}
+    if errors:
+        raise RuntimeError(f"ranks failed: {errors}")
+    return [got[r] for r in range(config.gpus)]

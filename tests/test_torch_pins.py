@@ -20,6 +20,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"profiler_call_allocations"}  # CPU convolution workspaces, measured
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
+    pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
     assert set(ti.__all__) == pinned
 
 
@@ -241,3 +242,52 @@ def test_profiler_lists_each_calls_allocations_in_order():
         y = torch.mm(x, x)
     [calls] = ti.profiler_call_allocations(p, "aten::mm")
     assert calls and sum(calls) == y.untyped_storage().nbytes() == 128 * 128 * 4
+
+
+def test_a_fake_world_runs_fsdp2_on_fake_tensors_and_dtensors_are_held_by_their_shards():
+    """One process as rank 0 of 8: FSDP2 shards fake parameters (dim 0 padded to a multiple of 8), and its
+    collectives run as aten ops a dispatch mode sees, with outputs of the full size."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    seen = []
+
+    class Ops(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append((str(func), [t.shape for t in ti.tree_leaves(out) if isinstance(t, torch.Tensor)]))
+            return out
+
+    with ti.fake_process_group(8):
+        mesh = init_device_mesh("cpu", (8,))  # on real tensors: it reads the ranks' numbers
+        with new_fake_mode():
+            layer = fully_shard(torch.nn.Linear(4, 30), mesh=mesh)
+            assert dist.get_world_size() == 8 and dist.get_rank() == 0
+            (local,) = ti.held_by(layer.weight)
+            assert layer.weight.shape == (30, 4) and local.shape == (4, 4)  # ceil(30 / 8) rows on rank 0
+            assert ti.storage_key(layer.weight) == ti.storage_key(local)
+            with Ops():
+                layer(torch.randn(2, 4)).sum().backward()
+    assert not dist.is_initialized()
+    gathers = [shapes for op, shapes in seen if op == "c10d._allgather_base_.default"]
+    assert gathers and gathers[0][0] == (8 * (4 * 4 + 4),)  # weight + bias shards, padded, from every rank
+    assert any(op == "c10d._reduce_scatter_base_.default" for op, _ in seen)
+    assert ti.held_by(torch.ones(3))[0].shape == (3,)
+
+
+def test_profiler_reports_the_cpu_allocators_running_total_and_recorded_ranges():
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.ones(1000)
+        with record_function("pin.window"):
+            b = torch.ones(2000)
+            del b
+    windows, events = ti.profiler_allocations(prof, "pin.")
+    base = events[0][2] - events[0][1]
+    assert len(windows) == 1 and [(size, total - base, op) for _, size, total, op, _ in events] == [
+        (4000, 4000, "aten::ones"), (8000, 12000, "aten::ones"), (-8000, 4000, "")]
+    assert events[1][4] == events[2][4] != events[0][4]  # the block's address, at allocation and at free
+    assert windows[0][0] <= events[1][0] <= events[2][0] <= windows[0][1] and a.numel() == 1000

@@ -6,7 +6,7 @@ import json
 import sys
 
 from memfit import __version__
-from memfit.config import PRECISIONS, Config
+from memfit.config import LAYOUTS, PRECISIONS, Config
 from memfit.errors import ConfigError, PlanError, WorkloadError
 
 
@@ -71,6 +71,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="keep activations saved for backward in host memory between forward and backward")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 master weights and optimizer state in host memory; the optimizer steps there")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="data-parallel ranks; every memory figure is per rank (default: %(default)s)")
+    p.add_argument("--data-parallel", choices=LAYOUTS,
+                   help="how ranks hold the model: ddp | fsdp (FSDP2, ZeRO-3) | fsdp-no-reshard (ZeRO-2-like) | "
+                        "hsdp (shard in a node, replicate across) (default: fsdp with --gpus > 1)")
+    p.add_argument("--gpus-per-node", type=int, help="ranks per node, hsdp's shard group (default: 8)")
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
 
 
@@ -85,9 +91,12 @@ def _config(args, device=None) -> Config:
                 text = f.read()
         return Config.from_json(text)
     precision = args.precision or defaults_for(device or get_device("cpu")).precision
+    layout = args.data_parallel or ("fsdp" if args.gpus > 1 else "none")
+    per_node = args.gpus_per_node or (8 if layout == "hsdp" else None)  # HGX/DGX nodes hold 8 GPUs
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
-                  offload_optimizer=args.offload_optimizer)
+                  offload_optimizer=args.offload_optimizer, gpus=args.gpus, data_parallel=layout,
+                  gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:

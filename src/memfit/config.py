@@ -8,6 +8,8 @@ import warnings
 from memfit.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
+LAYOUTS = ("none", "ddp", "fsdp", "fsdp-no-reshard", "hsdp")
+MAX_GPUS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,14 @@ class Config:
         offload_activations: saved activations live in host memory between forward and backward.
         offload_optimizer: fp32 master weights, optimizer state and the optimizer step live on the host
             (ZeRO-Offload's idea).
+        gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
+        data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (every rank holds all
+            of it, gradients all-reduced); ``"fsdp"`` (FSDP2 ``fully_shard`` of each repeated block and the
+            root, parameters resharded after forward: ZeRO-3); ``"fsdp-no-reshard"`` (kept unsharded from
+            forward to backward: ZeRO-2-like); ``"hsdp"`` (sharded within a node, replicated across nodes).
+            Under FSDP/HSDP, ``bf16`` is FSDP2's ``MixedPrecisionPolicy``: bf16 parameters for compute, fp32
+            sharded master weights and fp32 gradient reduction (as torchtitan trains), not autocast.
+        gpus_per_node: ranks per node (the shard group of ``hsdp``); None: all of them on one node.
 
     Example::
 
@@ -41,6 +51,9 @@ class Config:
     activation_checkpoint: str | int | tuple[str, ...] = "none"
     offload_activations: bool = False
     offload_optimizer: bool = False
+    gpus: int = 1
+    data_parallel: str = "none"
+    gpus_per_node: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -51,6 +64,7 @@ class Config:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.offload_optimizer and self.precision == "fp16":
             raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
+        self._check_layout()
         ck = self.activation_checkpoint
         if isinstance(ck, list):
             object.__setattr__(self, "activation_checkpoint", tuple(ck))
@@ -62,9 +76,45 @@ class Config:
                 f"names, got {ck!r}"
             )
 
+    def _check_layout(self) -> None:
+        n, layout, per_node = self.gpus, self.data_parallel, self.gpus_per_node
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_GPUS:
+            raise ConfigError(f"gpus must be an integer from 1 to {MAX_GPUS}, got {n!r}")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"unknown data-parallel layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if (n > 1) != (layout != "none"):
+            raise ConfigError(f"{n} GPU(s) with data_parallel={layout!r}: use 'none' for one GPU and a layout "
+                              "(ddp, fsdp, fsdp-no-reshard, hsdp) for more")
+        if per_node is not None and (not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1):
+            raise ConfigError(f"gpus_per_node must be an integer >= 1, got {per_node!r}")
+        if layout == "hsdp" and (per_node is None or n % per_node or n == per_node):
+            raise ConfigError(f"hsdp shards within a node and replicates across nodes: gpus ({n}) must be a "
+                              f"multiple of gpus_per_node ({per_node}) spanning two or more nodes")
+        if layout != "none" and self.precision == "fp16":
+            raise ConfigError("fp16 loss scaling across ranks is not supported yet: use bf16 with data_parallel")
+        if layout != "none" and (self.offload_optimizer or self.offload_activations):
+            raise ConfigError("offload with data_parallel is not supported yet")
+
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self.micro_batch * self.grad_accum * self.gpus
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples per optimizer step on one rank (its share of the global batch)."""
         return self.micro_batch * self.grad_accum
+
+    @property
+    def fsdp(self) -> bool:
+        """The layout shards parameters with FSDP2 (fsdp, fsdp-no-reshard, hsdp)."""
+        return self.data_parallel in ("fsdp", "fsdp-no-reshard", "hsdp")
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that split one copy of the model state: all of them for fsdp, a node's for hsdp."""
+        return {"fsdp": self.gpus, "fsdp-no-reshard": self.gpus, "hsdp": self.gpus_per_node}.get(
+            self.data_parallel, 1)
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -81,6 +131,8 @@ class Config:
             parts.append("activation offload")
         if self.offload_optimizer:
             parts.append("optimizer offload")
+        if self.gpus > 1:
+            parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
         return ", ".join(parts)
 
     def to_dict(self) -> dict:

@@ -11,14 +11,15 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, unset_fake_temporarily)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
-           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "FAKE_TENSOR_LOGGER", "FakeTensor",
-           "FakeTensorMode", "grad_scaler_tensors", "make_op_outputs_swappable", "profiler_call_allocations",
-           "profiler_memory_timeline", "profiler_surviving_allocations", "storage_key", "tensor_version",
-           "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
+           "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors", "held_by",
+           "make_op_outputs_swappable", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
+           "profiler_surviving_allocations", "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves",
+           "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -30,9 +31,36 @@ DATA_DEPENDENT_ERRORS = (DynamicOutputShapeException, DataDependentOutputExcepti
 
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """An identity for a tensor's storage (or a storage) while it lives, for real and fake tensors alike.
-    `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage."""
-    storage = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage.
+    A wrapper subclass (DTensor) is identified by the tensor that holds its bytes (its local shard)."""
+    storage = held_by(t)[0].untyped_storage() if isinstance(t, torch.Tensor) else t
     return storage._cdata
+
+
+def held_by(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a tensor's bytes: itself, or for a wrapper subclass the tensors it wraps
+    (a DTensor's local shard), as `__tensor_flatten__` lists them."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # may name non-tensors too (a DTensor's device mesh)
+    return [x for name in names if isinstance(getattr(t, name), torch.Tensor) for x in held_by(getattr(t, name))]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """This process as rank `rank` of a `world_size`-rank default process group whose collectives return
+    at once with outputs of the right shapes (torch's testing backend "fake"): FSDP2 and DeviceMesh run
+    as on a real world, on fake tensors, with no other process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
@@ -136,6 +164,30 @@ def profiler_call_allocations(prof, op_name: str) -> list[list[int]]:
         else:
             stack.extend(event.children)
     return calls
+
+
+def profiler_allocations(prof, prefix: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, str, int]]]:
+    """From a profile taken with `profile_memory=True`: the (start, end) times of the ranges recorded with a
+    name starting with `prefix` (`record_function`), in order, and every CPU allocation event as (time,
+    bytes: + allocated, - freed, the allocator's total after it, the outermost op it happened in or "", the
+    block's address), in order. The total counts every block allocated under any profile in this process that is still live, so
+    only its changes mean something."""
+    from torch._C._profiler import _EventType
+
+    windows, events = [], []
+    stack = [(e, "") for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        event, op = stack.pop()
+        if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
+            alloc = event.typed[1]
+            events.append((event.start_time_ns, alloc.alloc_size, alloc.total_allocated, op, alloc.ptr))
+        elif event.typed[0] == _EventType.TorchOp:
+            if event.name.startswith(prefix):
+                windows.append((event.start_time_ns, event.end_time_ns))
+            elif not op:
+                op = event.name
+        stack.extend((child, op) for child in event.children)
+    return sorted(windows), sorted(events)
 
 
 def fake_constant(mode: FakeTensorMode, real: torch.Tensor) -> FakeTensor:

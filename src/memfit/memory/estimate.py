@@ -32,7 +32,7 @@ from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes,
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.torch_internals import grad_scaler_tensors, storage_key
+from memfit.torch_internals import fake_process_group, grad_scaler_tensors, held_by, storage_key
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
@@ -192,13 +192,14 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
     forward or backward pass: a floor that no micro-batch or checkpointing goes under, in seconds even for
     a 7B model. The planner skips families whose floor is already over the budget."""
     dev = device if isinstance(device, Device) else get_device(device)
-    with new_fake_mode() as mode, quiet_fake_errors():
+    world = fake_process_group(config.gpus) if config.gpus > 1 else contextlib.nullcontext()
+    with world, new_fake_mode() as mode, quiet_fake_errors():
         with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
         trace_optimizer(step.optimizer)
         step.prime()
         host = {storage_key(t) for t in step.host_tensors()}
-        storages = {storage_key(t): t.untyped_storage().nbytes() for t in step.state_tensors()}
+        storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
     total = sum(n for address, n in storages.items() if address not in host)
     if dev.kind == "cuda":
         total += dev.context_bytes + dev.cublas_workspace_bytes
@@ -208,13 +209,24 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
 # ------------------------------------------------------------------------------------------- the trace
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:
-    return _traces(workload, config, dev, fake, [config.global_batch], routing_bound=fake)[0]
+    return _traces(workload, config, dev, fake, [config.rank_batch], routing_bound=fake)[0]
 
 
 def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int],
             routing_bound: bool = False) -> list[Probe]:
+    """Per rank: across many GPUs, this process traces rank 0 of a fake world of config.gpus ranks."""
+    if config.gpus == 1:
+        return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
+    if not fake:
+        raise EstimateError("a step across ranks is traced on fake tensors only")
+    with fake_process_group(config.gpus):
+        return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
+
+
+def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int],
+                 routing_bound: bool = False) -> list[Probe]:
     """Build once, prime the optimizer state, then measure one step per global batch size in `sizes`
-    (a size other than config.global_batch runs as one micro-batch of that size: the planner's probes).
+    (a size other than config.rank_batch runs as one micro-batch of that size: the planner's probes).
     On fake tensors, shapes that depend on an MoE router's choices follow balanced routing; with
     `routing_bound`, such a step is traced again under each of the bound's routings (memory/routing.py)."""
     cuda_target = dev.kind == "cuda"
@@ -230,13 +242,24 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
             quiet_fake_errors():
         with FakeBuild(mode) if fake else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
-                             if sizes != [config.global_batch] else config, "cpu", move=move, cuda_target=cuda_target)
+                             if sizes != [config.rank_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
-        if cuda_target and config.precision in ("fp16", "bf16"):
+        if cuda_target and config.precision in ("fp16", "bf16") and not config.fsdp:
             notes.append("mixed precision traced with CUDA autocast's op policy")
+        if config.gpus > 1:
+            notes.append(f"per rank: rank 0 of {config.gpus} ({config.data_parallel}, FSDP2 fully_shard of each "
+                         "repeated block and the root), traced with a fake process group" +
+                         ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
+                          if config.precision == "bf16" else ""))
+            if cuda_target:
+                notes.append("not counted yet: NCCL communicator buffers (outside PyTorch's allocator) and the "
+                             "separate streams FSDP2 gathers and reduces on (the allocator is modelled as one)")
+            else:
+                notes.append("not counted: the buffer gloo gathers into inside each all-gather on its own thread "
+                             "(the output's size, while it runs)")
         if cuda_target:
             notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                          "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
@@ -267,7 +290,7 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
                 p.estimate.notes.append("single random numbers drawn in the step (LayerDrop: a layer is skipped "
                                         "when its draw is below layerdrop) traced as just below 1: no layer "
                                         "skipped, the step's largest memory; a real step skips some and holds less")
-            if sizes != [config.global_batch]:
+            if sizes != [config.rank_batch]:
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)
     return results

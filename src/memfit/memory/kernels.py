@@ -417,3 +417,4 @@ def serve(threads: int) -> None:
         except Exception as e:  # noqa: BLE001 - the tracer is told, and counts nothing for this call
             reply = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(reply), flush=True)
+

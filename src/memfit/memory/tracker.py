@@ -23,7 +23,7 @@ import torch
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import TorchDispatchMode, storage_key, tree_leaves
+from memfit.torch_internals import TorchDispatchMode, held_by, storage_key, tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -58,7 +58,8 @@ MODEL_STATE = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    """The plain tensors in `tree`; a DTensor counts as the shard this rank holds."""
+    return [x for t in tree_leaves(tree) if isinstance(t, torch.Tensor) for x in held_by(t)]
 
 
 @dataclasses.dataclass
@@ -133,7 +134,7 @@ class LiveBytes(_Scoped):
 
     def track(self, tensors: Iterable[torch.Tensor], op: str = "preexisting", category: Category | None = None,
               host: bool = False) -> None:
-        for t in tensors:
+        for t in _tensors(list(tensors)):
             self._add(t, op, category, host)
 
     def tag(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
@@ -150,6 +151,25 @@ class LiveBytes(_Scoped):
     def close(self) -> None:
         """Stop counting; finalisers of storages that die later are ignored."""
         self._active = False
+
+    def __enter__(self):
+        """Also follow storages resized in place (`UntypedStorage.resize_`, which no dispatch mode sees):
+        FSDP2 frees a unit's gathered parameters by resizing their storages to 0 after use and back before
+        the next all-gather."""
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, nbytes):
+            out = resize(storage, nbytes)
+            tracker._resized(storage)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     # -- bookkeeping
     def _add(self, t: torch.Tensor, op: str, category: Category | None = None, host: bool = False) -> None:
@@ -187,12 +207,38 @@ class LiveBytes(_Scoped):
         if self.detail:
             self.infos[key] = StorageInfo(nbytes, op, self.module, shape, dtype, self.phase, category)
             self.events.append((key, nbytes))
+        self._count(nbytes)
+        return key
+
+    def _count(self, nbytes: int) -> None:
         self.current += nbytes
         if self.current > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.current
         if self.current > self.peak:
             self.peak, self.peak_index = self.current, len(self.events) - 1
-        return key
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """A tracked storage now holds storage.nbytes(): its allocation is freed and made again under the
+        same id (so labels and the live set at the peak follow it)."""
+        key = self._uids.get(storage_key(storage))
+        if not self._active or key is None or key not in self.live:
+            return
+        old, new = self.live[key], storage.nbytes()
+        if old == new:
+            return
+        self.current -= old
+        if self.detail and old:
+            self.events.append((key, -old))
+        if self.budget is not None and self.current + new > self.budget:
+            self.live[key] = 0
+            raise torch.OutOfMemoryError(f"memfit virtual budget: resizing a storage to {new} bytes with "
+                                         f"{self.current} live exceeds {self.budget} bytes")
+        self.live[key] = new
+        if new:
+            if self.detail:
+                self.infos[key].nbytes = new
+                self.events.append((key, new))
+            self._count(new)
 
     def _transient(self, nbytes: int, op: str) -> None:
         """A kernel's workspace: live for the op that takes it, freed when the op returns."""
@@ -212,7 +258,7 @@ class LiveBytes(_Scoped):
             return
         del self._uids[address]
         nbytes = self.live.pop(key)
-        if self.detail:
+        if self.detail and nbytes:
             self.events.append((key, -nbytes))
         self.current -= nbytes
 

@@ -1,6 +1,7 @@
 """Memory-saving strategies, each in its own module.
 
-Order: precision casts the weights, then checkpointing wraps the repeated blocks (apply_model_strategies);
+Order: precision casts the weights, checkpointing wraps the repeated blocks, then data parallelism shards
+them across ranks (apply_model_strategies);
 TrainStep then puts optimizer offload around the optimizer and activation offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
 """
@@ -10,6 +11,7 @@ import torch
 
 from memfit.config import Config
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.data_parallel import apply_data_parallel
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
@@ -19,8 +21,10 @@ __all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "a
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
-    """The fixed order: 1. precision of the weights, 2. activation checkpointing of repeated blocks.
-    Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
+    """The fixed order: 1. precision of the weights, 2. activation checkpointing of repeated blocks,
+    3. data parallelism. Everything that can fail is resolved first, so a bad configuration leaves the
+    model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
     model = cast_model(model, config)
-    return apply_checkpointing(model, blocks, selective=config.activation_checkpoint == "selective")
+    model = apply_checkpointing(model, blocks, selective=config.activation_checkpoint == "selective")
+    return apply_data_parallel(model, config, device)

@@ -42,7 +42,7 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def autocast_context(config: Config, device: torch.device, cuda_target: bool = False):
     """The forward's autocast. `cuda_target`: a CPU trace of a GPU step, cast as CUDA autocast casts."""
     dtype = AUTOCAST_DTYPES.get(config.precision)
-    if dtype is None:
+    if dtype is None or config.fsdp:  # FSDP2 casts the parameters itself (strategies/data_parallel.py)
         return contextlib.nullcontext()
     return cuda_autocast.autocast(dtype) if cuda_target else torch.autocast(device.type, dtype=dtype)
 
@@ -50,7 +50,7 @@ def autocast_context(config: Config, device: torch.device, cuda_target: bool = F
 def op_policy(config: Config, cuda_target: bool):
     """CUDA autocast's op policy for a whole CPU-traced step of a GPU target: activation checkpointing
     re-runs forward ops under autocast inside backward, so the policy spans more than the forward."""
-    if cuda_target and config.precision in AUTOCAST_DTYPES:
+    if cuda_target and config.precision in AUTOCAST_DTYPES and not config.fsdp:
         return cuda_autocast.policy()
     return contextlib.nullcontext()
 

@@ -1,0 +1,111 @@
+"""Many GPUs, estimated per rank in one process: FSDP2 `fully_shard` on a fake world (issue 12, first part)."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memfit
+from memfit import Config
+from memfit.cli import main
+from memfit.errors import ConfigError
+from memfit.memory.estimate import state_bytes
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(48, 100), nn.Linear(100, 48)  # 100 rows: padded for most world sizes
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+WORKLOAD = memfit.Workload(model=Net, batch=lambda n: {"x": torch.randn(n, 48), "y": torch.randint(0, 10, (n,))},
+                           loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]),
+                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="blocks")
+
+
+def sharded_adamw_state(n: int) -> int:
+    """FSDP2 shards each parameter on dim 0, padded to a multiple of n; rank 0 holds ceil(rows / n) rows of
+    the fp32 weight, its gradient and AdamW's two moments, plus AdamW's 4-byte step per parameter."""
+    return sum(4 * 4 * math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]) + 4 for p in Net().parameters())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 4096])
+def test_traced_sharded_state_is_the_padded_closed_form(n):
+    cfg = Config(gpus=n, data_parallel="fsdp" if n > 1 else "none")
+    assert state_bytes(WORKLOAD, cfg) == sharded_adamw_state(n)
+
+
+def test_per_rank_estimate_for_a_gpu_target_shards_states_and_hsdp_shards_within_a_node():
+    one = memfit.estimate(WORKLOAD, Config(micro_batch=4, precision="bf16"), device="h100")
+    fsdp = memfit.estimate(WORKLOAD, Config(micro_batch=4, precision="bf16", gpus=8, data_parallel="fsdp"),
+                           device="h100")
+    hsdp = memfit.estimate(WORKLOAD, Config(micro_batch=4, precision="bf16", gpus=32, data_parallel="hsdp",
+                                            gpus_per_node=8), device="h100")
+    assert fsdp.method == hsdp.method == "fake"
+    assert sum(fsdp.model_state_bytes.values()) == sharded_adamw_state(8)
+    assert hsdp.model_state_bytes == fsdp.model_state_bytes  # a shard group of 8 either way
+    assert sum(one.model_state_bytes.values()) == sharded_adamw_state(1)
+    assert fsdp.peak_bytes < one.peak_bytes
+    assert any("rank 0 of 8" in n and "MixedPrecisionPolicy" in n for n in fsdp.notes)
+    assert fsdp.config["gpus"] == 8 and fsdp.config["data_parallel"] == "fsdp"
+
+
+def test_reshard_after_forward_frees_gathered_blocks_that_no_reshard_keeps():
+    """fsdp frees each block's gathered parameters after its forward (FSDP2 resizes their storages to 0,
+    which memfit follows), except the last block's, which backward needs first; fsdp-no-reshard keeps them
+    all to backward. At the end of forward that is blocks 0 and 1 gathered in full (no padding at 4 ranks)."""
+    cfg = Config(micro_batch=4, gpus=4, data_parallel="fsdp")
+    reshard = memfit.estimate(WORKLOAD, cfg)
+    keep = memfit.estimate(WORKLOAD, cfg.replace(data_parallel="fsdp-no-reshard"))
+    gathered = sum(p.numel() * 4 for p in Block().parameters())  # one block's fp32 parameters, gathered
+    assert keep.phase_peaks["forward"] - reshard.phase_peaks["forward"] == 2 * gathered
+    assert keep.peak_bytes >= reshard.peak_bytes
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(gpus=4), "a layout"),
+    (dict(gpus=1, data_parallel="fsdp"), "'none' for one GPU"),
+    (dict(gpus=0, data_parallel="fsdp"), "from 1 to 4096"),
+    (dict(gpus=8192, data_parallel="fsdp"), "from 1 to 4096"),
+    (dict(gpus=12, data_parallel="hsdp", gpus_per_node=8), "multiple of gpus_per_node"),
+    (dict(gpus=8, data_parallel="hsdp", gpus_per_node=8), "two or more nodes"),
+    (dict(gpus=8, data_parallel="zero3"), "unknown data-parallel layout"),
+    (dict(gpus=8, data_parallel="fsdp", precision="fp16"), "fp16"),
+])
+def test_bad_layouts_are_refused_with_the_reason(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**fields)
+
+
+def test_global_batch_counts_every_rank():
+    cfg = Config(micro_batch=4, grad_accum=2, gpus=8, data_parallel="fsdp")
+    assert (cfg.rank_batch, cfg.global_batch, cfg.shard_group) == (8, 64, 8)
+    assert Config.from_json(cfg.to_json()) == cfg
+    assert cfg.describe().startswith("8 GPUs fsdp, micro-batch 4 x 2")
+
+
+def test_cli_estimates_per_rank_and_refuses_bad_layouts_in_one_line(capfd):
+    assert main(["estimate", "gpt-tiny", "--gpus", "4", "--device", "h100", "--json"]) == 0
+    out = json.loads(capfd.readouterr().out)
+    assert out["config"]["gpus"] == 4 and out["config"]["data_parallel"] == "fsdp"  # fsdp: the default layout
+    for argv in (["--gpus", "12", "--data-parallel", "hsdp"], ["--gpus", "4", "--data-parallel", "ddp"]):
+        code = main(["estimate", "gpt-tiny", "--device", "h100", *argv])
+        err = capfd.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
