@@ -155,6 +155,9 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = first_line(fake_error)
         partial = getattr(fake_error, "memfit_partial", None)
+    if config.gpus > 1:
+        raise EstimateError(f"{workload.name}: fake tensors could not follow the per-rank step ({reason}); across "
+                            "ranks memfit traces on fake tensors only")
     try:
         return run(lambda: _fallback(workload, config, dev, reason, partial))
     except WorkloadError:  # the real step failed too: at micro-batch 1, say whether 2 would train
@@ -218,7 +221,7 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
     if config.gpus == 1:
         return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
     if not fake:
-        raise EstimateError("a step across ranks is traced on fake tensors only")
+        raise EstimateError(f"{workload.name}: a step across ranks is traced on fake tensors only")
     with fake_process_group(config.gpus):
         return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
 

@@ -58,6 +58,12 @@ tensor into int64, or with `dtype=`): the kernel first copies the whole input in
 element. Profiled for bool, uint8, int32, bf16->fp32 and fp32->fp64, full and per-dimension: exact
 (`CASTING_REDUCTIONS`, tests/test_kernels.py).
 
+Data parallelism on CPU ranks (gloo): FSDP2's `fsdp.chunk_cat` (a unit's gradients into the reduce-scatter
+input) pads and copies into temporaries on the CPU: measured per call signature like the convolutions.
+gloo's reduce-scatter clones its input on the calling thread for the duration of the call: counted there
+(input bytes). gloo's all-gather gathers into an output-sized buffer on its own thread, racing the step:
+not counted (the estimate says so). Per-rank estimates against real gloo ranks: BENCHMARKS.md.
+
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):
     CPU TensorIterator ops with inputs of mixed dtype (bf16 * fp32): a promoted copy of the narrower input
@@ -151,6 +157,14 @@ def fix_fake_outputs(func, args, kwargs, out):
 # scratchpads, by amounts that follow its choice of implementation for the shape, dtype, memory format, ISA
 # and thread count. Measured, once per call signature, on this machine.
 MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+# FSDP2's copy of a unit's gradients into the reduce-scatter input (`fsdp.chunk_cat`, by name: the op exists
+# once torch.distributed.fsdp is imported): on the CPU it pads, and copies inputs of another dtype, into
+# temporaries by amounts that follow the shapes, dtypes and chunk count. Measured the same way.
+MEASURED_OP_NAMES = frozenset({"fsdp.chunk_cat.default"})
+# gloo's reduce-scatter (FSDP2's gradient reduction on CPU ranks) clones its input on the calling thread
+# and frees the clone when the collective is done (profiled: one input-sized aten::clone inside every
+# c10d::_reduce_scatter_base_ call, freed before FSDP2 issues anything else). NCCL reduces in place.
+GLOO_REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
 # Matmuls in bf16 / fp16 go to oneDNN too, which takes an fp32 accumulator and per-thread packing buffers
 # from the same allocator; fp32 matmuls go to MKL, whose buffers PyTorch's allocator never sees.
 LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
@@ -168,13 +182,17 @@ def _spec(a):
         return {"shape": list(a.shape), "stride": list(a.stride()), "dtype": str(a.dtype).removeprefix("torch.")}
     if isinstance(a, (list, tuple)):
         return [_spec(x) for x in a]
+    if isinstance(a, dict):
+        return {k: _spec(v) for k, v in a.items()}
     return a
 
 
 def _tensor_bytes(spec) -> int:
-    if isinstance(spec, dict):
+    if isinstance(spec, dict) and "dtype" in spec:
         extent = 1 + sum((n - 1) * st for n, st in zip(spec["shape"], spec["stride"]) if n)
         return extent * torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+    if isinstance(spec, dict):
+        return sum(_tensor_bytes(x) for x in spec.values())
     return sum(_tensor_bytes(x) for x in spec) if isinstance(spec, list) else 0
 
 
@@ -246,7 +264,9 @@ class CpuWorkspaces:
         if func in CASTING_REDUCTIONS:
             x = args[0]
             return x.numel() * out.element_size() if isinstance(out, torch.Tensor) and out.dtype != x.dtype else 0
-        if func not in MEASURED_OPS and not (func in LOW_PRECISION_MATMULS and out.dtype in (torch.bfloat16,
+        if str(func) == GLOO_REDUCE_SCATTER:
+            return args[1].untyped_storage().nbytes()
+        if func not in MEASURED_OPS and str(func) not in MEASURED_OP_NAMES and not (func in LOW_PRECISION_MATMULS and out.dtype in (torch.bfloat16,
                                                                                          torch.float16)):
             return 0
         request = {"op": str(func), "args": _spec(list(args)), "kwargs": _spec(dict(kwargs or {}))}
@@ -411,6 +431,8 @@ def serve(threads: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         namespace, name, overload = request["op"].split(".")
+        if namespace == "fsdp":
+            import torch.distributed.fsdp  # noqa: F401 - registers the fsdp ops
         func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
         try:
             reply = {"bytes": workspace_of(func, _make(request["args"]), _make(request["kwargs"]))}
