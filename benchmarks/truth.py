@@ -89,9 +89,9 @@ def allocator_step_peak(workload, config, repeats: int = 2) -> int:
     return min(peaks)
 
 
-def rank_step_peaks(workload, config, repeats: int = 2, timeout: float = 300.0) -> list[int]:
-    """`allocator_step_peak` on each of config.gpus real ranks (forked processes joined by gloo on this machine),
-    each rank stepping on its own share of the batch: every rank's own profiler peak, rank 0 first."""
+def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
+    """fn(rank) on each of n forked processes joined in one gloo process group on this machine; the results,
+    rank 0 first. A rank that raises fails the call with its error; none is left running."""
     import multiprocessing as mp
     import socket
 
@@ -105,15 +105,14 @@ def rank_step_peaks(workload, config, repeats: int = 2, timeout: float = 300.0) 
         import torch.distributed as dist
 
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=config.gpus)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
             torch.set_num_threads(1)
-            results.put((rank, allocator_step_peak(workload, config, repeats)))
+            results.put((rank, fn(rank)))
             dist.destroy_process_group()
         except BaseException as e:  # noqa: BLE001 - reported to the parent
-            results.put((rank, repr(e)))
+            results.put((rank, RuntimeError(repr(e))))
 
-    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(config.gpus)]
+    procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(n)]
     for p in procs:
         p.start()
     try:
@@ -123,7 +122,13 @@ def rank_step_peaks(workload, config, repeats: int = 2, timeout: float = 300.0) 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    errors = {r: v for r, v in got.items() if isinstance(v, str)}
+    errors = {r: v for r, v in got.items() if isinstance(v, RuntimeError)}
     if errors:
         raise RuntimeError(f"ranks failed: {errors}")
-    return [got[r] for r in range(config.gpus)]
+    return [got[r] for r in range(n)]
+
+
+def rank_step_peaks(workload, config, repeats: int = 2) -> list[int]:
+    """`allocator_step_peak` on each of config.gpus real ranks (forked processes joined by gloo on this machine),
+    each rank stepping on its own share of the batch: every rank's own peak, rank 0 first."""
+    return on_gloo_ranks(config.gpus, lambda rank: allocator_step_peak(workload, config, repeats))

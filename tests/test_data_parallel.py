@@ -125,3 +125,32 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
     cfg = Config(micro_batch=8, gpus=2, data_parallel=layout, precision=precision, activation_checkpoint=checkpoint)
     est = memfit.estimate(wl, cfg)
     assert est.peak_bytes == pytest.approx(min(rank_step_peaks(wl, cfg)), rel=0.01)
+
+
+def _train_and_gather(config: Config, steps: int):
+    """Losses of `steps` Trainer steps (global batch 16, seed 0) and the final full weights."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit.runtime.trainer import Trainer
+
+    trainer = Trainer(builtin("gpt-tiny"), config, seed=0, global_batch=16)
+    losses = [trainer.step() for _ in range(steps)]
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+               for n, p in trainer.model.named_parameters()}  # numpy: sent back from a forked rank by pickle
+    return losses, weights
+
+
+@pytest.mark.parametrize("n,layout", [(2, "fsdp"), (4, "fsdp-no-reshard")])
+def test_training_on_ranks_equals_one_process(n, layout):
+    """Each rank draws the same seeded global batch and keeps its rows; FSDP2 averages the gradients; the
+    loss and the final weights equal one process's (fp32; 1e-5: only the order of the sums differs)."""
+    from truth import on_gloo_ranks
+
+    one_losses, one_weights = _train_and_gather(Config(micro_batch=4, grad_accum=4), steps=3)
+    cfg = Config(micro_batch=4, grad_accum=16 // (4 * n), gpus=n, data_parallel=layout)
+    results = on_gloo_ranks(n, lambda rank: _train_and_gather(cfg, steps=3))
+    for losses, weights in results:
+        assert losses == pytest.approx(one_losses, rel=1e-5, abs=1e-6)
+        for name, w in one_weights.items():
+            torch.testing.assert_close(torch.from_numpy(weights[name]), torch.from_numpy(w), rtol=1e-5, atol=1e-5,
+                                       msg=name)

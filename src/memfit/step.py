@@ -82,6 +82,9 @@ class TrainStep:
         self._enter("optimizer")
         self._optimizer_step()
         self.phase = "idle"
+        if self.config.gpus > 1 and not self.tracing:  # the global batch's mean: every rank holds an equal share
+            torch.distributed.all_reduce(loss_sum)  # (gloo has no AVG)
+            loss_sum /= self.config.gpus
         return loss_sum
 
     def _enter(self, phase: str) -> None:

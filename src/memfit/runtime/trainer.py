@@ -9,7 +9,7 @@ from memfit.errors import ConfigError, WorkloadError
 from memfit.step import TrainStep
 from memfit.strategies import ActivationOffload
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
-from memfit.workload import Batch, Workload
+from memfit.workload import Batch, Workload, split_batch
 
 
 def data_seed(seed: int, step: int) -> int:
@@ -59,6 +59,8 @@ class Trainer:
                  global_batch: int | None = None):
         self.workload, self.config, self.seed = workload, config, seed
         self.global_batch = global_batch or config.global_batch
+        if config.gpus > 1 and self.global_batch % config.gpus:
+            raise ConfigError(f"global batch {self.global_batch} does not split evenly over {config.gpus} GPUs")
         torch.manual_seed(seed)
         self.engine = TrainStep(workload, config, device)
         self.step_count = 0
@@ -87,12 +89,18 @@ class Trainer:
         return self.engine.optimizer
 
     def batch(self, step: int | None = None) -> Batch:
+        """Step `step`'s global batch, or across ranks this rank's share of it (every rank draws the same
+        seeded global batch and keeps its own contiguous rows, so N ranks see what one process would)."""
         step = self.step_count if step is None else step
         if self.workload.data is not None:
-            return dataset_batch(self.workload.data, self.seed, step, self.global_batch)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(data_seed(self.seed, step))
-            return self.workload.batch(self.global_batch)
+            batch = dataset_batch(self.workload.data, self.seed, step, self.global_batch)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(data_seed(self.seed, step))
+                batch = self.workload.batch(self.global_batch)
+        if self.config.gpus == 1:
+            return batch
+        return split_batch(batch, self.global_batch // self.config.gpus)[torch.distributed.get_rank()]
 
     def step(self, batch: Batch | None = None) -> float:
         batch = self.batch() if batch is None else batch
