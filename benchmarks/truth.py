@@ -108,7 +108,8 @@ def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
             torch.set_num_threads(1)
             results.put((rank, fn(rank)))
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have left the world itself
+                dist.destroy_process_group()
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             results.put((rank, RuntimeError(repr(e))))
 

@@ -154,3 +154,26 @@ def test_training_on_ranks_equals_one_process(n, layout):
         for name, w in one_weights.items():
             torch.testing.assert_close(torch.from_numpy(weights[name]), torch.from_numpy(w), rtol=1e-5, atol=1e-5,
                                        msg=name)
+
+
+def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
+    """`memfit train --gpus 2` starts two ranks with torchrun (gloo); rank 0 writes the run folder. Resumed
+    on one process from its step-2 checkpoint (each rank's shards gathered by PyTorch's state-dict engine),
+    the loss curve is the uninterrupted one-process run's."""
+    from memfit.runtime.run import train
+
+    common = ["gpt-tiny", "--global-batch", "16", "--micro-batch", "4", "--schedule", "constant", "--no-progress"]
+    out = tmp_path / "ranks"
+    assert main(["train", *common, "--gpus", "2", "--steps", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    capfd.readouterr()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and all(len(r["rank_peak_bytes"]) == 2 for r in records)
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2 and report["config"]["data_parallel"] == "fsdp"
+    assert main(["train", *common, "--steps", "4", "--resume", "--out", str(out)]) == 0
+    capfd.readouterr()
+    resumed = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+               if "loss" in line]
+    one = train(builtin("gpt-tiny"), 4, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
+                progress=False)
+    assert resumed == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+from pathlib import Path
 
 from memfit import __version__
 from memfit.config import LAYOUTS, PRECISIONS, Config
-from memfit.errors import ConfigError, PlanError, WorkloadError
+from memfit.errors import ConfigError, PlanError, RunError, WorkloadError
 
 
 def _activation_checkpoint_arg(text: str):
@@ -235,12 +237,28 @@ def cmd_train(args) -> int:
 
     from memfit.runtime.run import train
 
+    from memfit.runtime import distributed
+
+    _check_counts(args, "gpus")
     workload = _workload(args)
+    if args.gpus > 1 and not distributed.launched():
+        if args.global_batch % args.gpus:
+            raise ConfigError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}")
+        if args.out is None:  # every rank must write into the same run folder
+            args.argv += ["--out", str(Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-"
+                                                      f"{datetime.datetime.now():%Y%m%d-%H%M%S}")]
+        code = distributed.launch(args.gpus, args.argv)
+        if code:
+            raise RunError(f"{args.gpus} ranks ran; one or more exited with status {code} (its error is above)")
+        return 0
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
                    micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, schedule=args.schedule,
-                   progress=not args.no_progress, console=console, deterministic=args.deterministic)
+                   progress=not args.no_progress, console=console, deterministic=args.deterministic,
+                   gpus=args.gpus, data_parallel=args.data_parallel)
+    if args.gpus > 1 and not result.report:
+        return 0  # ranks other than 0 say nothing
     from memfit.report.tables import run_view
     console.print(run_view(result))
     if workload.name == "sort" and (result.out / "model.safetensors").exists():
@@ -390,6 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deterministic kernels and a fixed thread count, so that a resumed run ends bit for bit as "
                         "the uninterrupted run would (same machine and PyTorch); with --resume, as the run started")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the final report still prints)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="ranks to train on: started here with torchrun (N CPU processes with gloo on a CPU), or the "
+                        "world of an outside launcher (default: %(default)s)")
+    p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "ddp", "hsdp")],
+                   help="layout across ranks (default: fsdp)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
@@ -417,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = False
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(argv)
         debug = args.debug
         return args.fn(args)
     except KeyboardInterrupt as e:  # a run says which checkpoint it wrote or left intact

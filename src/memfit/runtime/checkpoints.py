@@ -247,7 +247,7 @@ def _check_plain(value, what: str, path: str = "") -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
                     data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None,
-                    run: Mapping | None = None) -> Path:
+                    run: Mapping | None = None, named_state: tuple[dict, dict] | None = None) -> Path:
     """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and its checksum, and return its path.
 
     `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
@@ -257,7 +257,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     complete, only the newest `keep` checkpoints (by step; the one just written is always kept) remain;
     ``keep=None`` keeps all. `optimizer_offload` is the engine's `OptimizerOffload` when the optimizer steps
     fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
-    own parameters are lower precision.
+    own parameters are lower precision. `named_state`: the full model and optimizer states keyed by
+    parameter name (`torch.distributed.checkpoint.state_dict.get_state_dict`, gathered from every rank of a
+    sharded run), saved instead of `model` and `optimizer`'s own; `restore` loads such a checkpoint into a
+    model of any layout or world size.
     """
     step = int(step)
     if step < 0:
@@ -275,8 +278,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": named_state[0] if named_state else model.state_dict(),
+        "optimizer": named_state[1] if named_state else optimizer.state_dict(),
+        "named_state": named_state is not None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "offload_master": ([m.detach() for m in optimizer_offload.master] if optimizer_offload is not None else None),
@@ -416,12 +420,25 @@ def restore(ckpt: Mapping, *, model: torch.nn.Module, optimizer: torch.optim.Opt
             scheduler=None, optimizer_offload=None) -> None:
     """Load model, optimizer, grad scaler, LR scheduler (and offloaded master weights) states, then the RNG
     states, so the next step is the one the interrupted run would have taken. The step number and
-    `data_state` are the caller's to apply (``ckpt["step"]``, ``ckpt["data_state"]``)."""
-    load_model_state(model, ckpt["model"])
-    try:
-        optimizer.load_state_dict(ckpt["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise CheckpointError(f"optimizer state does not fit this optimizer: {_one_line(e)}") from e
+    `data_state` are the caller's to apply (``ckpt["step"]``, ``ckpt["data_state"]``). A checkpoint of a
+    sharded run (name-keyed full states) loads into a model of any layout: each rank takes its shard."""
+    if ckpt.get("named_state"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        try:
+            set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
+                           options=StateDictOptions(full_state_dict=True))
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"the saved state does not fit this model and optimizer: {_one_line(e)}") from e
+    else:
+        if getattr(model, "_is_fsdp_managed_module", False) or any(type(p).__name__ == "DTensor"
+                                                                    for p in model.parameters()):
+            raise CheckpointError("a checkpoint of a one-process run resumes in one process: resume with --gpus 1")
+        load_model_state(model, ckpt["model"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"optimizer state does not fit this optimizer: {_one_line(e)}") from e
     if optimizer_offload is not None:
         masters = ckpt.get("offload_master")
         with torch.no_grad():
@@ -507,7 +524,7 @@ def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, torch.Tens
 # ------------------------------------------------------------------------------------------- export
 
 
-def export_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
+def export_safetensors(model: torch.nn.Module | None, path: str | os.PathLike, state_dict: Mapping | None = None) -> None:
     """Write the model's final weights (its state_dict, wrapper prefixes stripped) to `path` as safetensors,
     atomically (temporary file, fsync, rename, fsync of the directory).
 
@@ -515,12 +532,13 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
     kept and a tensor whose storage was already written is *cloned*, so the file loads with a plain
     `safetensors.torch.load_file` and has exactly the model's keys, at the cost of storing tied weights
     twice. The ties are recorded in the metadata (``"memfit.tied"``: ``"alias=original,..."``) for anyone who
-    wants to re-tie them.
+    wants to re-tie them. `state_dict`: a full state dict to write instead of `model`'s (a sharded run's,
+    gathered on rank 0).
     """
     from safetensors.torch import save_file
 
     path = Path(path)
-    sd = model.state_dict()
+    sd = dict(state_dict) if state_dict is not None else model.state_dict()
     names = _normalized(sd.keys(), "model")
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, tuple[str, torch.Tensor]] = {}  # storage -> (first name, its original view)

@@ -34,6 +34,7 @@ from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
+from memfit.runtime import distributed
 from memfit.runtime.trainer import Trainer
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -228,6 +229,7 @@ class _Run:
         self.budget, self.console, self.checkpoint_every = budget, console, checkpoint_every
         self.predictions = predictions  # Config -> Prediction, for predicted vs measured
         self.trainer = Trainer(workload, config, device=device, seed=self.seed, global_batch=self.global_batch)
+        self.rank = torch.distributed.get_rank() if config.gpus > 1 else 0  # only rank 0 writes the run folder
         self.scheduler = make_scheduler(self.trainer.optimizer, identity["schedule"], self.steps, identity["warmup"])
         self.metrics_path = out / "metrics.jsonl"
         self.stop_requested = False
@@ -255,6 +257,8 @@ class _Run:
         if self.saved_step == step:
             return path
         e = self.trainer.engine
+        if self.trainer.config.gpus > 1:
+            return self._save_ranks(step, path)
         bad = next((n for n, p in e.model.named_parameters() if not torch.isfinite(p).all()), None)
         if bad is not None:
             raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
@@ -268,6 +272,31 @@ class _Run:
             raise RunError(f"{what} while saving step {step}; {self.intact()}") from err
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted while saving step {step}; {self.intact()}") from None
+        self.saved_step = step
+        return path
+
+    def _save_ranks(self, step: int, path: Path) -> Path:
+        """Every rank gives its shards, rank 0 writes one checkpoint, and all learn whether it succeeded."""
+        e = self.trainer.engine
+        model_state, optimizer_state = distributed.full_state(e.model, e.optimizer)
+        error = None
+        if self.rank == 0:
+            bad = next((n for n, t in model_state.items() if t.is_floating_point() and not torch.isfinite(t).all()),
+                       None)
+            if bad is not None:
+                error = f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}"
+            else:
+                try:
+                    path = ckpt.save_checkpoint(self.out, step, model=e.model, optimizer=e.optimizer,
+                                                scheduler=self.scheduler, config=self.trainer.config,
+                                                data_state={"seed": self.seed, "global_batch": self.global_batch},
+                                                run=self.identity, named_state=(model_state, optimizer_state))
+                except OSError as err:
+                    what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
+                    error = f"{what} while saving step {step}; {self.intact()}"
+        error = distributed.agree(error)
+        if error:
+            raise RunError(error)
         self.saved_step = step
         return path
 
@@ -285,7 +314,7 @@ class _Run:
     def _forget_metrics_from(self, step: int) -> None:
         """A killed run may have logged steps after its last checkpoint; they are run again now, so their old
         records go (one record per step). A line cut short by the kill goes too. Rewritten atomically."""
-        if not self.metrics_path.exists():
+        if self.rank != 0 or not self.metrics_path.exists():
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():
@@ -364,6 +393,8 @@ class _Run:
             self.refusals.update({c.activation_checkpoint: why for c, why in zip(todo, verdicts)})
 
     def _log_event(self, step: int, text: str) -> None:
+        if self.rank != 0:
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": step, "event": text}) + "\n")
 
@@ -405,8 +436,11 @@ class _Run:
                                micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
                                activation_checkpoint=cfg.to_dict()["activation_checkpoint"],
                                skipped_fp16_steps=self.trainer.engine.skipped_steps, events=events)
-                    with open(self.metrics_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    if cfg.gpus > 1 and step < start + 3:  # the steps every rank measures: each rank's own peak
+                        rec["rank_peak_bytes"] = distributed.gather(peak)
+                    if self.rank == 0:
+                        with open(self.metrics_path, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
                     info = f"loss {loss:.4f} · {rec['samples_per_second']:.0f} samples/s"
                     if peak is not None:
                         info += f" · peak {fmt_bytes(peak)}"
@@ -438,7 +472,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
           config: Config | None = None, micro_batch: int | None = None, precision: str | None = None,
           seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None,
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
-          console=None, deterministic: bool | None = None) -> RunResult:
+          console=None, deterministic: bool | None = None, gpus: int = 1,
+          data_parallel: str | None = None) -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
@@ -465,6 +500,10 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         deterministic: kernels and thread count fixed (see `deterministic_mode`) so that a run resumed after
             an interruption ends bit for bit where the uninterrupted run ends, on the same machine and
             PyTorch build. None: as the run being resumed was started (off for a new run).
+        gpus: ranks to train on; more than one needs a launcher (`memfit train --gpus N` starts torchrun),
+            and this process is one of them (runtime/distributed.py). Not planned yet: the micro-batch
+            defaults to the rank's share of the global batch.
+        data_parallel: the layout across ranks (`Config.data_parallel`); default fsdp.
 
     Returns:
         `RunResult`: the run folder, steps done, final configuration and loss, metrics and the report.
@@ -481,6 +520,9 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
 
     console = console or Console()
     _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup, schedule)
+    layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget)
+    if gpus > 1 and int(os.environ["RANK"]) != 0:
+        console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(out) if out else Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-" \
                                                f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     state = path = None
@@ -511,11 +553,29 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     with deterministic_mode(identity["deterministic"], identity["threads"]):
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                      progress=progress, console=console)
+                      progress=progress, console=console, gpus=gpus, layout=layout)
+
+
+def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str:
+    """The layout for `gpus` ranks, after checking what a run across ranks needs."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ConfigError(f"gpus must be a whole number >= 1, got {gpus!r}")
+    layout = data_parallel or ("fsdp" if gpus > 1 else "none")
+    if gpus == 1:
+        return layout
+    if not distributed.launched():
+        raise RunError(f"training on {gpus} GPUs needs one process per rank: run `memfit train --gpus {gpus}` "
+                       "(it starts them with torchrun) or start this under torchrun")
+    if global_batch % (gpus * (micro_batch or 1)):
+        raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks x micro-batch "
+                          f"{micro_batch or 1}")
+    if budget is not None:
+        raise ConfigError("a memory budget across ranks (OOM recovery agreed by every rank) is not built yet")
+    return layout
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
-           checkpoint_every, progress, console) -> RunResult:
+           checkpoint_every, progress, console, gpus=1, layout="none") -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline
 
@@ -524,8 +584,12 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     budget_bytes = resolve_budget(budget, dev) if budget is not None else None
     predictions: dict[Config, Prediction] = {}
     chosen = None
+    if gpus > 1:
+        return _train_on_ranks(workload, identity, out, state, path, device=device, dev=dev, config=config,
+                               micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
+                               progress=progress, console=console, gpus=gpus, layout=layout)
     if state is not None:  # the run goes on in the configuration it was saved in
-        config = Config.from_dict(state["config"])
+        config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
     elif config is None and micro_batch is None:
         chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision)
@@ -567,6 +631,69 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
                                 f"{ckpt.checkpoint_path(out, run.trainer.step_count)}; resume with --resume")
     return RunResult(out=out, steps=run.trainer.step_count, config=final,
                      final_loss=losses[-1]["loss"] if losses else float("nan"), metrics=history, report=report)
+
+
+def _on_one_rank(config: Config, global_batch: int) -> Config:
+    """A configuration saved across ranks, continued in one process (the same global batch per step)."""
+    if config.gpus == 1:
+        return config
+    return config.replace(gpus=1, data_parallel="none", gpus_per_node=None,
+                          grad_accum=math.ceil(global_batch / config.micro_batch))
+
+
+def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
+                    checkpoint_every, progress, console, gpus, layout) -> RunResult:
+    """`_train` as one of `gpus` ranks: rank 0 predicts (before the world exists: the estimate traces a fake
+    one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder."""
+    from memfit.report.plots import plot_loss, plot_memory_timeline
+
+    steps, global_batch = identity["steps"], identity["global_batch"]
+    saved = Config.from_dict(state["config"]) if state is not None else config
+    micro = micro_batch or (saved.micro_batch if saved is not None else global_batch // gpus)
+    if (global_batch // gpus) % micro:
+        micro = global_batch // gpus  # a resume on fewer ranks than the micro-batch was chosen for
+    config = Config(micro_batch=micro, grad_accum=global_batch // gpus // micro,
+                    precision=(saved.precision if saved is not None else precision or defaults_for(dev).precision),
+                    activation_checkpoint=saved.activation_checkpoint if saved is not None else "none",
+                    gpus=gpus, data_parallel=layout)
+    rank0 = int(os.environ["RANK"]) == 0
+    start = Prediction(config, None, None, "rank 0 predicts")
+    if rank0:  # memory per rank; the step time is not predicted: communication is not modelled yet
+        start = dataclasses.replace(predict(workload, config, dev), step_seconds=None)
+    rank = distributed.join(gpus, device)
+    try:
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, None,
+                   checkpoint_every, console, {config: start})
+        if state is not None:
+            run.restore(path, state)
+        elif rank == 0 and run.metrics_path.exists():
+            run.metrics_path.unlink()
+        run.loop(run.trainer.step_count, progress and rank == 0)
+        finished = run.trainer.step_count >= steps
+        if finished:
+            run.save(steps)
+        model_state, _ = distributed.full_state(run.trainer.model, run.trainer.optimizer)
+        history = _history(out) if rank == 0 else []
+        report = {}
+        if rank == 0:
+            if finished:
+                ckpt.export_safetensors(None, out / "model.safetensors", state_dict=model_state)
+            report = _report(workload, history, {config: start}, config, identity, run.device, dev)
+            report["world_size"] = gpus
+            (out / "report.json").write_text(json.dumps(report, indent=1))
+            losses = [r for r in history if "loss" in r]
+            if any(math.isfinite(r["loss"]) for r in losses):
+                plot_loss(losses, out / "loss.png", title=f"{workload.name}: training loss ({gpus} ranks)")
+            plot_memory_timeline(start.estimate, out / "memory.png",
+                                 title=f"{workload.name}: memory of one step on rank 0 at {config.describe()} "
+                                       "(predicted)")
+        losses = [r for r in history if "loss" in r]
+        return RunResult(out=out, steps=run.trainer.step_count, config=config,
+                         final_loss=losses[-1]["loss"] if losses else float("nan"), metrics=history, report=report)
+    finally:
+        distributed.leave()
 
 
 def peak_measure(device: str) -> str:

@@ -1,0 +1,89 @@
+"""Training on many ranks: launching them, joining their process group, and the state they share.
+
+`memfit train --gpus N` on one machine starts N copies of itself with torchrun (`launch`); under any launcher
+that sets RANK / WORLD_SIZE / MASTER_ADDR (torchrun, Slurm's srun with those exported) each copy joins that
+world (`join`): gloo on CPUs, NCCL on GPUs. Each rank trains its share of every global batch (runtime/
+trainer.py) under the layout's FSDP2 sharding (strategies/data_parallel.py).
+
+Checkpoints are PyTorch's own state-dict engine (`torch.distributed.checkpoint.state_dict`): the sharded
+model and optimizer states are gathered into full, name-keyed state dicts on rank 0, which writes them as one
+ordinary memfit checkpoint (atomic, checksummed: runtime/checkpoints.py); a resume loads that file on every
+rank and `set_state_dict` takes each rank's shard of it, at whatever world size the run now has (4 -> 2 -> 1).
+Rank 0 holds the full state in host memory while it saves; sharded saving (`dcp.save`) for models too large
+for that is not built yet.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from memfit.errors import RunError
+
+# A rank that dies leaves the others waiting in a collective: they give up after this long.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MEMFIT_COLLECTIVE_TIMEOUT", "120")))
+
+
+def launched() -> bool:
+    """This process was started by a launcher as one rank of a world (torchrun sets these)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(gpus: int, argv: list[str]) -> int:
+    """Run `memfit <argv>` as `gpus` ranks on this machine with torchrun; its exit status."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           "--no-python", sys.executable, "-m", "memfit.cli", *argv]
+    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def join(gpus: int, device: str) -> int:
+    """Join the launcher's world of `gpus` ranks (gloo on CPUs, NCCL on GPUs); this rank's number."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != gpus:
+        raise RunError(f"--gpus {gpus}, but the launcher started {world} ranks")
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    return dist.get_rank()
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model and optimizer state, name-keyed, gathered on rank 0 (empty on the others); a
+    collective every rank calls."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optimizer_state: dict) -> None:
+    """Each rank takes its shard of full, name-keyed states (`full_state`'s, from a checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def agree(value):
+    """Rank 0's `value` on every rank (a small picklable object): one decision the whole world acts on."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value) -> list:
+    """Every rank's `value` (small, picklable), rank 0's first, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
