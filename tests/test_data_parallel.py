@@ -177,3 +177,42 @@ def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
     one = train(builtin("gpt-tiny"), 4, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
                 progress=False)
     assert resumed == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
+
+
+def test_collectives_are_priced_in_nccl_bus_bandwidth_terms():
+    """S bytes over n ranks: latency * ceil(log2 n) + S * f / bandwidth, f = (n-1)/n for an all-gather or
+    reduce-scatter (in the shard group), 2(n-1)/n for an all-reduce (HSDP's replicas, across nodes)."""
+    from memfit.memory.devices import Links
+    from memfit.memory.tracker import OpTrace
+    from memfit.planner.costmodel import Comm, OpTable
+
+    ops = OpTrace()
+    for name, phase in (("_allgather_base_", "forward"), ("mm", "forward"), ("_reduce_scatter_base_", "backward"),
+                        ("allreduce_", "backward")):
+        ops.flops.append(0 if name != "mm" else 10**9)
+        ops.bytes.append(2**30 if name != "mm" else 10**6)
+        ops.alloc.append(0)
+        ops.kind.append("comm" if name != "mm" else "f32")
+        ops.phase.append(phase)
+        ops.name.append(name)
+    comm = Comm(Links(within_node=100e9, across_nodes=10e9, latency=5e-6), gpus=16, shard=8, per_node=8)
+    each = comm.op_seconds(OpTable(ops)).tolist()
+    inside = 3 * 5e-6 + 2**30 * 7 / 8 / 100e9
+    assert each == pytest.approx([inside, inside, 5e-6 + 2**30 * 2 * 1 / 2 / 10e9])
+    # FSDP overlaps all but the first all-gather and the last collective of backward with compute
+    assert comm.overlapped(1.0, OpTable(ops)) == pytest.approx(1.0 + each[0] + each[2])
+    assert comm.overlapped(0.0, OpTable(ops)) == pytest.approx(sum(each))
+
+
+def test_plan_across_ranks_searches_layouts_and_refuses_what_it_cannot_price():
+    from memfit.planner.search import plan
+
+    result = plan(builtin("gpt-tiny"), 64, device="h100", gpus=16, precision="bf16", activation_checkpoint="none")
+    assert result.config.gpus == 16 and result.config.global_batch == 64
+    names = [family for family, _ in result.families]
+    assert {n.split(",")[0] for n in names} == {"fsdp", "fsdp-no-reshard", "hsdp"}  # hsdp: two nodes of 8
+    assert result.samples_per_second == pytest.approx(64 / result.step_seconds)
+    with pytest.raises(ConfigError, match="needs a GPU from the catalogue"):
+        plan(builtin("gpt-tiny"), 64, device="cpu", gpus=2)
+    with pytest.raises(ConfigError, match="does not split"):
+        plan(builtin("gpt-tiny"), 60, device="h100", gpus=16)

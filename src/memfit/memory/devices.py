@@ -159,6 +159,32 @@ _CATALOGUE = [
 
 DEVICES: dict[str, Device] = {d.name: d for d in _CATALOGUE}
 
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """How fast a GPU's collectives run, in NCCL's bus-bandwidth convention (nccl-tests PERFORMANCE.md: a
+    ring all-gather or reduce-scatter of S bytes over n ranks moves S (n-1)/n through each GPU, an all-reduce
+    twice that). Effective per-GPU figures, not data-sheet totals (those count both directions): PyTorch
+    inductor's `comm_analysis.py` uses NVLink ~370 GB/s on Hopper, ~240 on Ampere, PCIe ~24 within a node;
+    InfiniBand NDR (400 Gb/s per GPU) ~50 GB/s, HDR ~25. `latency` is per ring step (a few microseconds
+    for NCCL's simple protocol). Assumptions until measured on the machines themselves."""
+    within_node: float  # bytes/s
+    across_nodes: float  # bytes/s
+    latency: float = 5e-6  # seconds per ring step
+
+
+_LINKS = {"h100": Links(370e9, 50e9), "h200": Links(370e9, 50e9), "h100-pcie": Links(24e9, 50e9),
+          "a100-80gb": Links(240e9, 25e9), "a100-40gb": Links(240e9, 25e9)}
+_PCIE_LINKS = Links(24e9, 12.5e9)  # consumer and PCIe datacenter cards: PCIe peer copies, 100 GbE across
+
+
+def links(dev: Device) -> Links | None:
+    """The catalogue's collective speeds for `dev`; None for a CPU (gloo's are not modelled) and for
+    V100 (NVLink 2, no figure collected)."""
+    if dev.kind != "cuda" or dev.name.startswith("v100"):
+        return None
+    return _LINKS.get(dev.name, _PCIE_LINKS)
+
 ALIASES: dict[str, str] = {
     "a100": "a100-80gb",
     "v100": "v100-32gb",

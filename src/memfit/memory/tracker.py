@@ -297,7 +297,7 @@ class OpTrace:
     bytes: list = dataclasses.field(default_factory=list)   # bytes read + written
     alloc: list = dataclasses.field(default_factory=list)   # largest fresh storage (a CPU pays page faults)
     # "f32" | "lp" (bf16/fp16) | "view" | "rng" (random numbers: ~6 ns each on a CPU) | "host" | "link"
-    # (host<->device copy)
+    # (host<->device copy) | "comm" (a collective across ranks; bytes: the whole tensor gathered or reduced)
     kind: list = dataclasses.field(default_factory=list)
     phase: list = dataclasses.field(default_factory=list)
     name: list = dataclasses.field(default_factory=list)    # aten op without overload: some are priced by name
@@ -335,6 +335,11 @@ class OpRecorder(_Scoped):
         alloc = 0
         if getattr(func, "is_view", False):
             kind, moved = "view", 0
+        elif getattr(func, "namespace", "") == "c10d":  # a collective: its bytes are the whole (unsharded) size
+            kind = "comm"
+            gathered = args[0] if "allgather" in func.__name__ else args[1] if "reduce_scatter" in func.__name__ \
+                else args[0]
+            moved = sum(t.numel() * t.element_size() for t in _tensors(gathered))
         else:
             ins = _tensors((args, kwargs))
             moved = sum(t.numel() * t.element_size() for t in ins + outs)

@@ -123,7 +123,7 @@ def _curve_seconds(points: list, amount: torch.Tensor) -> torch.Tensor:
     return torch.where(x < la[0], low, torch.where(x > la[-1], high, inside))
 
 
-KINDS = {"f32": 0, "lp": 1, "view": 2, "rng": 3, "host": 4, "link": 5}  # device-side kinds first
+KINDS = {"f32": 0, "lp": 1, "view": 2, "rng": 3, "host": 4, "link": 5, "comm": 6}  # device-side kinds first
 PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
@@ -149,6 +149,9 @@ class OpTable:
         self.phase = torch.tensor([PHASES[p] for p in ops.phase], dtype=torch.int8)
         self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
         self.real = torch.tensor([n not in NOT_OPS for n in names], dtype=torch.bool)
+        # collectives: 1 all-gather / reduce-scatter (S (n-1)/n through each rank), 2 all-reduce (twice that)
+        self.collective = torch.tensor([2 if n.startswith("allreduce") else 1 if k == "comm" else 0
+                                        for n, k in zip(names, ops.kind)], dtype=torch.int8)
 
     def mask(self, phases: tuple[str, ...]) -> torch.Tensor:
         m = torch.zeros_like(self.phase, dtype=torch.bool)
@@ -204,15 +207,66 @@ def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flo
     return device + host_s + int(host.sum()) * hp.op_overhead
 
 
-def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0) -> float:
+def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0, comm: "Comm | None" = None) -> float:
     """Predicted wall time of the traced step; `micro_steps` scales its forward/backward part (a trace of
-    two micro-steps stands for an accumulation of many)."""
+    two micro-steps stands for an accumulation of many). `comm`: the step's collectives across ranks."""
     table = OpTable(ops)
-    t = micro_steps * phase_seconds(profile, table, ("forward", "backward"))
-    t += phase_seconds(profile, table, ("optimizer", "setup"))
+    t = phase_seconds(profile, table, ("forward", "backward"))
+    if comm is not None:
+        t = comm.overlapped(t, table)
+    t = micro_steps * t + phase_seconds(profile, table, ("optimizer", "setup"))
     if profile.kind == "cuda" and ops.moved_bytes:
         t += micro_steps * ops.moved_bytes / profile.link_bandwidth
     return t
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Collectives across ranks, priced with an alpha-beta model in NCCL's bus-bandwidth convention
+    (devices.Links): S bytes over a group of n ranks take latency * ceil(log2 n) + S * f / bandwidth, f =
+    (n-1)/n for an all-gather or reduce-scatter and 2(n-1)/n for an all-reduce, at the within-node bandwidth
+    when the group fits in a node and the across-nodes one otherwise. FSDP2 gathers a unit's parameters ahead
+    of its compute (prefetch) and reduces its gradients during the next unit's backward, so collectives
+    overlap compute except the first all-gather of forward and the last reduce-scatter of backward:
+    a micro-step takes compute + those two + whatever the rest exceeds compute by."""
+    links: object   # devices.Links
+    gpus: int
+    shard: int      # ranks in an all-gather / reduce-scatter group (all for fsdp, a node's for hsdp)
+    per_node: int
+
+    def op_seconds(self, table: OpTable, phases: tuple[str, ...] = ("forward", "backward")) -> torch.Tensor:
+        """Seconds of each collective in `phases`, in step order."""
+        sel = table.mask(phases) & (table.collective > 0)
+        kind, size = table.collective[sel], table.bytes[sel]
+        # an all-reduce across ranks is HSDP's across nodes (its replicas); anything else runs in the shard group
+        n = torch.where(kind == 2, torch.tensor(self.gpus // self.shard if self.shard < self.gpus else self.gpus),
+                        torch.tensor(self.shard)).to(torch.float64).clamp(min=1)
+        inside = torch.where(kind == 2, torch.tensor(self.gpus <= self.per_node), torch.tensor(self.shard <= self.per_node))
+        bandwidth = torch.where(inside, torch.tensor(self.links.within_node), torch.tensor(self.links.across_nodes))
+        factor = kind.to(torch.float64) * (n - 1) / n
+        return torch.where(n > 1, self.links.latency * torch.ceil(torch.log2(n)) + size * factor / bandwidth,
+                           torch.zeros_like(size))
+
+    def overlapped(self, compute: float, table: OpTable) -> float:
+        """A micro-step's time: its compute with its collectives overlapped as the class says."""
+        each = self.op_seconds(table)
+        if not len(each):
+            return compute
+        edges = float(each[0] + each[-1]) if len(each) > 1 else float(each[0])
+        return compute + edges + max(0.0, float(each.sum()) - edges - compute)
+
+
+def comm_for(dev: Device, config) -> Comm | None:
+    """The collectives' model for `config` on `dev`; None for one rank, and where the catalogue has no
+    figures (a CPU's gloo, V100)."""
+    from memfit.memory.devices import links
+
+    if config.gpus == 1:
+        return None
+    speeds = links(dev)
+    if speeds is None:
+        return None
+    return Comm(speeds, config.gpus, config.shard_group, config.gpus_per_node or min(config.gpus, 8))
 
 
 # ------------------------------------------------------------------------------------------ calibration

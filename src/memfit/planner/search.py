@@ -21,7 +21,8 @@ from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line, probe,
                                     probe_pair, state_bytes)
 from memfit.memory.isolate import run_isolated, run_isolated_many
-from memfit.planner.costmodel import OpTable, Profile, describe, phase_seconds, profile_for, step_seconds
+from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
+                                      step_seconds)
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
 
@@ -107,7 +108,7 @@ class _Family:
         ratio = e2.peak_reserved_bytes / max(e2.peak_bytes, 1)  # allocator rounding and caching
         return int(live * ratio + (e2.device_peak_bytes - e2.peak_reserved_bytes))
 
-    def seconds(self, profile: Profile, m: int, accum: int) -> float:
+    def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         o1, o2 = (p.ops for p in self.probes)
         if self._tables is None:
             self._tables = _aligned(o1, o2, self.sizes)
@@ -116,6 +117,8 @@ class _Family:
         nbytes = self.line.at(bytes1, t2.bytes, m).clamp(min=0)
         alloc = self.line.at(alloc1, t2.alloc, m).clamp(min=0)
         micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
+        if comm is not None:  # parameter-sized collectives: the same at every micro-batch
+            micro = comm.overlapped(micro, t2)
         rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
         moved = self.line.at(o1.moved_bytes, o2.moved_bytes, m) if profile.kind == "cuda" else 0.0
         return accum * micro + rest + accum * moved / profile.link_bandwidth
@@ -141,6 +144,8 @@ def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
 
 def _family_name(cfg: Config) -> str:
     parts = [cfg.precision, f"activation checkpointing {cfg.activation_checkpoint}"]
+    if cfg.gpus > 1:
+        parts.insert(0, cfg.data_parallel)
     if cfg.offload_activations:
         parts.append("activation offload")
     if cfg.offload_optimizer:
@@ -169,11 +174,15 @@ def _micro_batches(global_batch: int, fixed: int | None, smallest: int = 1) -> l
 def plan(workload: Workload, global_batch: int, budget=None, device: str | Device = "cpu", *,
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
-         profile: Profile | None = None, confirm: int = 2) -> Plan:
+         profile: Profile | None = None, confirm: int = 2, gpus: int = 1, data_parallel: str | None = None,
+         gpus_per_node: int | None = None) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
-    "50%" of the device, or the whole device). Fixed choices are honoured; the rest is searched."""
+    "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
+    searched, across ranks the layout too (fsdp, fsdp-no-reshard, and hsdp over more than one node)."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
+    layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
+    per_rank = global_batch // gpus
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
     cpu = dev.kind == "cpu"
@@ -183,10 +192,17 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
 
     defaults = defaults_for(dev)
     precisions = [precision] if precision else list(defaults.precisions)
+    if gpus > 1 and not precision and "fp16" in precisions:
+        precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
+        notes.append("fp16 not searched across ranks: loss scaling across ranks is not built yet")
     if not precision and "fp32" not in precisions:
         notes.append(f"fp32 not searched on a GPU: {precisions[0]} autocast is smaller and faster; fix it to force")
     checkpoints = [activation_checkpoint] if activation_checkpoint is not None else ["none", "all", "selective"]
-    if not defaults.search_offload:
+    if gpus > 1:
+        offloads = [(bool(offload_activations), bool(offload_optimizer))]
+        if offload_activations is None and offload_optimizer is None:
+            notes.append("offload not searched across ranks: not built with data parallelism yet")
+    elif not defaults.search_offload:
         offloads = [(bool(offload_activations), bool(offload_optimizer))]
         if offload_activations is None and offload_optimizer is None:
             notes.append("offload not searched on a CPU device: host and device memory are one")
@@ -198,8 +214,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
-                    offload_optimizer=opt)
-             for p in precisions for ck in checkpoints for act, opt in offloads
+                    offload_optimizer=opt, gpus=gpus, data_parallel=layout,
+                    gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
+             for layout in layouts for p in precisions for ck in checkpoints for act, opt in offloads
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)]
     families: dict[Config, _Family] = {}
@@ -208,11 +225,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # what stays between steps (weights, gradients, optimizer state) is a floor that costs no forward or
     # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
     # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
-    states = sorted({(b.precision, b.offload_optimizer) for b in bases})
+    states = list({_state_key(b): b for b in bases}.values())
     [(kind, value)] = run_isolated_many([functools.partial(_state_floors, workload, states, dev)], workers=1)
-    floors = dict(zip(states, value)) if kind == "ok" else {}
+    floors = dict(zip(map(_state_key, states), value)) if kind == "ok" else {}
     for b in list(bases):
-        floor = floors.get((b.precision, b.offload_optimizer), 0)
+        floor = floors.get(_state_key(b), 0)
         if floor > usable:
             bases.remove(b)
             smallest_need[_family_name(b)] = floor
@@ -242,21 +259,22 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     too_small: list[_Family] = []  # families with no micro-batch they train at
     for base, fam in list(families.items()):
         name = _family_name(base)
-        sizes = _micro_batches(global_batch, micro_batch, fam.sizes[0])
+        sizes = _micro_batches(per_rank, micro_batch, fam.sizes[0])
         if not sizes:
             too_small.append(families.pop(base))
-            verdicts.append((name, f"cannot train at micro-batch {micro_batch or global_batch} ({fam.rejected})"))
+            verdicts.append((name, f"cannot train at micro-batch {micro_batch or per_rank} ({fam.rejected})"))
             continue
+        comm = comm_for(dev, base)
         for m in sizes:
-            accum = global_batch // m
+            accum = per_rank // m
             need = fam.memory(m, accum, cpu)
             smallest_need[name] = min(smallest_need.get(name, need), need)
             if need <= usable:
                 cfg = fam.base.replace(micro_batch=m, grad_accum=accum)
-                candidates.append(Candidate(cfg, need, fam.seconds(rates(), m, accum)))
+                candidates.append(Candidate(cfg, need, fam.seconds(rates(), m, accum, comm)))
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
         none = families.get(base.replace(activation_checkpoint="none"))
-        if base.activation_checkpoint == "all" and none is not None and activation_checkpoint is None:
+        if base.activation_checkpoint == "all" and none is not None and activation_checkpoint is None and gpus == 1:
             candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, rates)
     if too_small and not families:
         fam = too_small[0]
@@ -277,7 +295,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 verdicts.append((label, f"skipped: its full estimate raised {first_line(value)}"))
                 continue
             cand.peak_bytes, cand.confirmed, cand.estimate = _used(value.estimate), True, value.estimate
-            cand.step_seconds = _seconds(rates(), value, cand.config)
+            cand.step_seconds = _seconds(rates(), value, cand.config, dev)
             if cand.peak_bytes <= usable:
                 confirmed.append(cand)
             else:
@@ -304,7 +322,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
             over = smallest_need[name] - usable
             verdicts.append((name, f"does not fit: over by {fmt_bytes(over)} even at micro-batch "
-                                   f"{min(_micro_batches(global_batch, micro_batch, families[base].sizes[0]))}"))
+                                   f"{min(_micro_batches(per_rank, micro_batch, families[base].sizes[0]))}"))
         elif mine:
             fastest = min(mine, key=lambda c: c.step_seconds)
             verdicts.append((name, f"fits, {fastest.step_seconds / best.step_seconds:.2f}x slower "
@@ -318,8 +336,33 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes)
 
 
-def _state_floors(workload: Workload, states: list[tuple[str, bool]], dev: Device) -> list[int]:
-    return [state_bytes(workload, Config(precision=p, offload_optimizer=o), dev) for p, o in states]
+def _state_key(cfg: Config) -> tuple:
+    """What decides a family's state floor: precision, optimizer offload, the layout across ranks."""
+    return cfg.precision, cfg.offload_optimizer, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node
+
+
+def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[int]:
+    return [state_bytes(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
+            for s in states]
+
+
+def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, global_batch: int,
+             micro_batch: int | None) -> list[str]:
+    """The layouts to search for `gpus` ranks (one fixed, or every one that applies)."""
+    if gpus == 1:
+        if layout not in (None, "none"):
+            raise ConfigError(f"data_parallel={layout!r} needs more than one GPU")
+        return ["none"]
+    if dev.kind == "cpu":
+        raise ConfigError("planning across ranks needs a GPU from the catalogue (--device h100, ...): the step "
+                          "time of gloo's collectives on CPUs is not modelled")
+    if global_batch % gpus or (micro_batch and (global_batch // gpus) % micro_batch):
+        raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks"
+                          + (f" x micro-batch {micro_batch}" if micro_batch else ""))
+    if layout is not None:
+        return [layout]
+    node = per_node or 8
+    return ["fsdp", "fsdp-no-reshard"] + (["hsdp"] if gpus > node and gpus % node == 0 else [])
 
 
 def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
@@ -340,9 +383,9 @@ def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
     return p
 
 
-def _seconds(profile: Profile, p: Probe, config: Config) -> float:
+def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
     """Step time of a full probe: its traced micro-steps stand for all `config.grad_accum` of them."""
-    return step_seconds(profile, p.ops, config.grad_accum / min(config.grad_accum, 2))
+    return step_seconds(profile, p.ops, config.grad_accum / min(config.grad_accum, 2), comm_for(dev, config))
 
 
 def price(workload: Workload, config: Config, device: str | Device = "cpu",
@@ -356,7 +399,7 @@ def price(workload: Workload, config: Config, device: str | Device = "cpu",
     """
     dev = device if isinstance(device, Device) else get_device(device)
     p = run_isolated(functools.partial(full_probe, workload, config, dev))
-    return p.estimate, _seconds(profile or profile_for(dev), p, config)
+    return p.estimate, _seconds(profile or profile_for(dev), p, config, dev)
 
 
 def refusals(workload: Workload, configs: list[Config], device: str | Device = "cpu") -> list[str | None]:
