@@ -220,3 +220,24 @@ def test_a_model_that_branches_on_its_batch_traces_on_fake_and_takes_the_real_br
     assert est.method == "fake", est.notes
     assert any("NaN/inf" in n for n in est.notes)
     assert est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
+
+
+class ScaledByOnes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64))  # made by a float factory, like a norm's weight
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.out(x * self.scale)
+
+
+def test_a_model_that_casts_its_parameters_after_building_them_from_ones_traces_on_fake():
+    """Values of small float factories are kept while the step runs (attention masks), not while the model is
+    built: a kept value holds a weak reference to its tensor, and `Module.to` cannot swap such a parameter
+    (`_apply(): Couldn't swap`, deepseek_v4 in the coverage run)."""
+    wl = memfit.Workload(model=lambda: ScaledByOnes().to(torch.float64).to(torch.float32),
+                         batch=lambda n: {"x": torch.randn(n, 64), "y": torch.randint(0, 4, (n,))},
+                         loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]),
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="ones")
+    assert memfit.estimate(wl, Config(micro_batch=4)).method == "fake"

@@ -243,7 +243,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
     results = []
     with mode or contextlib.nullcontext(), router or contextlib.nullcontext(), draws or contextlib.nullcontext(), \
             quiet_fake_errors():
-        with FakeBuild(mode) if fake else contextlib.nullcontext():
+        with FakeBuild(mode) if fake else contextlib.nullcontext(), \
+                router.building() if router is not None else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.rank_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake

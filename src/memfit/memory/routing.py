@@ -8,7 +8,7 @@ would have. Shadows come from two places only:
 
 - values known without data: integer and boolean tensors made by deterministic factories (`arange`,
   `zeros`, `full`, ... and real constants), and small floating ones (`torch.ones` attention masks, up to
-  `FLOAT_FACTORY_LIMIT_BYTES`: not weights), exact;
+  `FLOAT_FACTORY_LIMIT_BYTES`, made while the step runs: not weights), exact;
 - the batch: tensors the workload's `batch()` draws inside `Routing.drawing()` are drawn for real beside
   their fake twins, as a measured step would draw them (token ids are small), so a model that branches on
   its inputs (`if not padding_mask.any()`, `is_global_attn = mask.any().item()`) takes the branch the real
@@ -113,6 +113,7 @@ class Routing(TorchDispatchMode):
         self.computed: set[tuple[int, int]] = set()  # routers whose choices other ops computed on (not views)
         self.assumed_finite = 0  # finiteness checks answered as "all finite"
         self._drawing = False  # inside drawing(): random factories draw real values too
+        self._building = False  # inside building(): no float shadows (they would pin parameters, see there)
         self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
         self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
@@ -133,6 +134,17 @@ class Routing(TorchDispatchMode):
         finally:
             self._drawing = False
 
+    @contextlib.contextmanager
+    def building(self):
+        """Build the model: small float factories get no shadows here. A shadow holds a weak reference to its
+        tensor, and `torch.utils.swap_tensors` refuses to swap a tensor that has one, so a parameter made by
+        `torch.ones` (a norm's weight) could no longer be moved or cast (`_apply(): Couldn't swap`)."""
+        self._building = True
+        try:
+            yield
+        finally:
+            self._building = False
+
     def shadow(self, t: torch.Tensor) -> _Shadow | None:
         s = self._shadows.get(id(t))
         return s if s is not None and s.fake() is t else None
@@ -147,7 +159,8 @@ class Routing(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DATA_DEPENDENT_ERRORS:
             return self._data_dependent(func, args, kwargs, shadow_args)
-        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing):
+        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing,
+                                                                            self._building):
             self._attach(out, self._real(func, shadow_args), shadow_args[2])
             if not func.is_view:
                 self.computed |= shadow_args[2]
@@ -363,7 +376,7 @@ def _finite_check(func, args) -> bool | None:
     return None
 
 
-def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
+def _may_shadow(func, args, kwargs, out, drawing: bool, building: bool = False) -> bool:
     """Shadows are small, made only of values known without data, or of the batch while it is drawn."""
     fakes = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and is_fake(t)]
     if not fakes or any(t.untyped_storage().nbytes() > SHADOW_LIMIT_BYTES for t in fakes):
@@ -373,7 +386,7 @@ def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
-        return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES
+        return all(t.dtype in _EXACT_DTYPES or (not building and t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES)
                    for t in fakes)
     return True
 
