@@ -216,3 +216,42 @@ def test_plan_across_ranks_searches_layouts_and_refuses_what_it_cannot_price():
         plan(builtin("gpt-tiny"), 64, device="cpu", gpus=2)
     with pytest.raises(ConfigError, match="does not split"):
         plan(builtin("gpt-tiny"), 60, device="h100", gpus=16)
+
+
+def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_the_checkpoint_intact(tmp_path):
+    """kill -9 of one rank: torchrun ends the others, `memfit train --gpus 2` exits 2 with one line, and the
+    newest checkpoint still loads (its write is atomic)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from memfit.runtime import checkpoints as ckpt
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "memfit.cli", "train", "gpt-tiny", "--gpus", "2", "--steps", "100000",
+           "--global-batch", "16", "--micro-batch", "4", "--checkpoint-every", "2", "--schedule", "constant",
+           "--no-progress", "--out", str(out)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not ckpt.list_checkpoints(out) and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.5)
+        assert ckpt.list_checkpoints(out), launcher.stderr.read() if launcher.poll() is not None else "no checkpoint"
+        def children(pid: int) -> list[int]:
+            return [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+
+        (agent,) = children(launcher.pid)  # torchrun's agent, whose children are the ranks
+        ranks = children(agent)
+        assert len(ranks) == 2
+        os.kill(ranks[-1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 2
+    assert err.strip().splitlines()[-1].startswith("memfit: error: 2 ranks ran; one or more exited")
+    path, state = ckpt.load_latest(out)
+    assert state["named_state"] and state["step"] >= 2

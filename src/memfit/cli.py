@@ -245,6 +245,11 @@ def cmd_train(args) -> int:
     _check_counts(args, "gpus")
     workload = _workload(args)
     if args.gpus > 1 and not distributed.launched():
+        if args.device.startswith("cuda"):
+            import torch
+            if torch.cuda.device_count() < args.gpus:
+                raise ConfigError(f"--gpus {args.gpus} on --device {args.device}: this machine has "
+                                  f"{torch.cuda.device_count()} GPU(s); run one launcher per node (torchrun, Slurm)")
         if args.global_batch % args.gpus:
             raise ConfigError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}")
         if args.out is None:  # every rank must write into the same run folder
