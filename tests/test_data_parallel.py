@@ -255,3 +255,18 @@ def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_the_checkpoint
     assert err.strip().splitlines()[-1].startswith("memfit: error: 2 ranks ran; one or more exited")
     path, state = ckpt.load_latest(out)
     assert state["named_state"] and state["step"] >= 2
+
+
+def test_gpu_counts_and_a_plan_per_count():
+    from memfit.planner.search import gpu_counts, plan_counts
+
+    assert gpu_counts("64") == [64] and gpu_counts("8-512") == [8, 16, 32, 64, 128, 256, 512]
+    assert gpu_counts("3-10") == [3, 4, 8, 10]
+    for bad in ("0-4", "8-2", "x"):
+        with pytest.raises(ConfigError):
+            gpu_counts(bad)
+    rows = plan_counts(builtin("gpt-tiny"), 24, [1, 2, 16], device="h100", precision="bf16",
+                       activation_checkpoint="none")
+    assert [r["gpus"] for r in rows] == [1, 2, 16]
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["plan"].config.gpus == 2
+    assert rows[2]["plan"] is None and "does not split" in rows[2]["why"]

@@ -170,7 +170,10 @@ def cmd_plan(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.planner.search import check_batches, plan, resolve_budget
 
-    _check_counts(args, "global_batch", "micro_batch", "verify_steps", "gpus", "gpus_per_node")
+    from memfit.planner.search import gpu_counts
+
+    _check_counts(args, "global_batch", "micro_batch", "verify_steps", "gpus_per_node")
+    counts = gpu_counts(args.gpus)
     device = get_device(args.device)
     if resolve_budget(args.budget, device) < 1:
         raise PlanError(f"--budget must be more than 0 bytes, got {args.budget!r}")
@@ -193,9 +196,21 @@ def cmd_plan(args) -> int:
             from memfit.report.tables import max_batch_view
             Console().print(max_batch_view(result))
         return 0
-    if args.gpus > 1 and (args.max_micro_batch or args.verify):
+    if counts != [1] and (args.max_micro_batch or args.verify):
         raise PlanError("--max-micro-batch and --verify are for one GPU so far")
-    result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=args.gpus,
+    if len(counts) > 1:
+        from memfit.planner.search import plan_counts
+        rows = plan_counts(workload, args.global_batch, counts, budget=args.budget, device=device,
+                           data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, **fixed)
+        if args.json:
+            print(json.dumps([dict(gpus=r["gpus"], why=r["why"], efficiency=r.get("efficiency"),
+                                   plan=r["plan"].to_dict() if r["plan"] else None) for r in rows]))
+        else:
+            from rich.console import Console
+            from memfit.report.tables import counts_view
+            Console().print(counts_view(rows, workload.name, args.global_batch, device.name))
+        return 0
+    result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=counts[0],
                   data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, **fixed)
     verified = None
     if args.verify:
@@ -388,7 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-activations", action="store_true", help="force activation offload")
     p.add_argument("--offload-optimizer", action="store_true", help="force optimizer offload")
     p.add_argument("--max-micro-batch", action="store_true", help="the largest micro-batch that fits, config fixed")
-    p.add_argument("--gpus", type=int, default=1, help="plan per rank for this many GPUs (default: %(default)s)")
+    p.add_argument("--gpus", default="1",
+                   help="plan per rank for this many GPUs, or a range (8-512: each power of two in it, a table) "
+                        "(default: %(default)s)")
     p.add_argument("--data-parallel", choices=LAYOUTS, help="fix the layout across ranks (default: searched)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node, hsdp's shard group (default: 8)")
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")

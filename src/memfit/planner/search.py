@@ -336,6 +336,37 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes)
 
 
+def gpu_counts(text: str) -> list[int]:
+    """`--gpus` as a count ("64") or a range ("8-512": both ends and the powers of two between)."""
+    try:
+        low, _, high = text.partition("-")
+        low, high = int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(f"--gpus takes a count (64) or a range (8-512), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ConfigError(f"--gpus {text}: counts are whole numbers >= 1, the smaller first")
+    return sorted({low, high} | {2**k for k in range(high.bit_length()) if low <= 2**k <= high})
+
+
+def plan_counts(workload: Workload, global_batch: int, counts: list[int], **options) -> list[dict]:
+    """`plan` at each GPU count: per count the plan, or why nothing fits; throughput and each count's
+    scaling efficiency (samples/s per GPU against the smallest count that fits)."""
+    rows = []
+    for n in counts:
+        if global_batch % n:
+            rows.append(dict(gpus=n, plan=None, why=f"global batch {global_batch} does not split over {n} GPUs"))
+            continue
+        try:
+            rows.append(dict(gpus=n, plan=plan(workload, global_batch, gpus=n, **options), why=None))
+        except PlanError as e:
+            rows.append(dict(gpus=n, plan=None, why=str(e)))
+    fits = [r for r in rows if r["plan"] is not None]
+    for r in fits:
+        base = fits[0]
+        r["efficiency"] = (r["plan"].samples_per_second / r["gpus"]) / (base["plan"].samples_per_second / base["gpus"])
+    return rows
+
+
 def _state_key(cfg: Config) -> tuple:
     """What decides a family's state floor: precision, optimizer offload, the layout across ranks."""
     return cfg.precision, cfg.offload_optimizer, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node

@@ -146,6 +146,27 @@ def plan_view(plan) -> Group:
     return Group(*parts)
 
 
+def counts_view(rows: list[dict], workload: str, global_batch: int, device: str) -> Group:
+    """`memfit plan --gpus A-B`: the fastest plan at each GPU count, and the fewest GPUs that fit."""
+    fits = [r for r in rows if r["plan"] is not None]
+    head = Text.assemble(("memfit plan", "bold"), f"  {workload} · global batch {global_batch} · {device}\n",
+                         ("fewest GPUs that fit: ", "bold"),
+                         (str(fits[0]["gpus"]) if fits else "none in this range", "bold cyan"))
+    table = Table(show_edge=False)
+    for col in ("GPUs", "fastest configuration", "peak per GPU", "step", "samples/s", "scaling"):
+        table.add_column(col, justify="left" if col == "fastest configuration" else "right")
+    for r in rows:
+        p = r["plan"]
+        if p is None:
+            table.add_row(str(r["gpus"]), Text(r["why"], style="dim"), "", "", "", "")
+        else:
+            table.add_row(str(r["gpus"]), p.config.describe(), fmt_bytes(p.peak_bytes), _fmt_seconds(p.step_seconds),
+                          fmt_number(p.samples_per_second), f"{r['efficiency']:.0%}")
+    note = Text("scaling: samples/s per GPU against the smallest count that fits; step times from the catalogue's "
+                "compute and link figures (not measured on this hardware)", style="dim")
+    return Group(head, table, note)
+
+
 def verify_view(v: dict) -> Table:
     table = Table(title="verified: predicted vs measured", title_justify="left")
     for col in ("", "predicted", "measured", "error"):
