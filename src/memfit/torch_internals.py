@@ -14,6 +14,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from memfit.errors import EstimateError
+
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
            "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
            "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors", "held_by",
@@ -55,7 +57,8 @@ def fake_process_group(world_size: int, rank: int = 0):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
+        raise EstimateError("a process group is already initialised in this process: estimate across ranks "
+                            "before init_process_group (the estimate makes a fake one)")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
