@@ -117,14 +117,21 @@ def test_cli_estimates_per_rank_and_refuses_bad_layouts_in_one_line(capfd):
 def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint):
     """Two real ranks (forked processes, gloo) train gpt-tiny under FSDP2 as memfit applies it; each measures
     its own peak with the CPU allocator's running total (benchmarks/truth.py). gloo's worker thread can
-    release a collective's tensors late, which only ever adds to one rank's peak (BENCHMARKS.md): the
-    estimate is compared with the lower rank."""
+    release a collective's tensors late, on one rank or on both, which only ever adds to a peak
+    (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to three runs (a run that
+    already agrees ends the search; the minimum can only come down towards the race-free peak, so an
+    estimate above it still fails)."""
     from truth import rank_step_peaks
 
     wl = builtin("gpt-tiny")
     cfg = Config(micro_batch=8, gpus=2, data_parallel=layout, precision=precision, activation_checkpoint=checkpoint)
     est = memfit.estimate(wl, cfg)
-    assert est.peak_bytes == pytest.approx(min(rank_step_peaks(wl, cfg)), rel=0.01)
+    lowest = min(rank_step_peaks(wl, cfg))
+    for _ in range(2):
+        if est.peak_bytes == pytest.approx(lowest, rel=0.01):
+            break
+        lowest = min(lowest, *rank_step_peaks(wl, cfg))
+    assert est.peak_bytes == pytest.approx(lowest, rel=0.01)
 
 
 def _train_and_gather(config: Config, steps: int):
