@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
-from pathlib import Path
 
 from memfit import __version__
 from memfit.config import LAYOUTS, PRECISIONS, Config
@@ -256,6 +254,7 @@ def cmd_train(args) -> int:
     from memfit.runtime.run import train
 
     from memfit.runtime import distributed
+    from memfit.runtime.run import default_run_dir
 
     _check_counts(args, "gpus")
     workload = _workload(args)
@@ -268,8 +267,7 @@ def cmd_train(args) -> int:
         if args.global_batch % args.gpus:
             raise ConfigError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}")
         if args.out is None:  # every rank must write into the same run folder
-            args.argv += ["--out", str(Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-"
-                                                      f"{datetime.datetime.now():%Y%m%d-%H%M%S}")]
+            args.argv += ["--out", str(default_run_dir(workload))]
         code = distributed.launch(args.gpus, args.argv)
         if code:
             raise RunError(f"{args.gpus} ranks ran; one or more exited with status {code} (its error is above)")

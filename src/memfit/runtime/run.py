@@ -268,12 +268,15 @@ class _Run:
                                         data_state={"seed": self.seed, "global_batch": self.global_batch},
                                         optimizer_offload=e.optimizer_offload, run=self.identity)
         except OSError as err:
-            what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
-            raise RunError(f"{what} while saving step {step}; {self.intact()}") from err
+            raise RunError(self._save_failed(err, step)) from err
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"interrupted while saving step {step}; {self.intact()}") from None
         self.saved_step = step
         return path
+
+    def _save_failed(self, err: OSError, step: int) -> str:
+        what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
+        return f"{what} while saving step {step}; {self.intact()}"
 
     def _save_ranks(self, step: int, path: Path) -> Path:
         """Every rank gives its shards, rank 0 writes one checkpoint, and all learn whether it succeeded."""
@@ -292,8 +295,7 @@ class _Run:
                                                 data_state={"seed": self.seed, "global_batch": self.global_batch},
                                                 run=self.identity, named_state=(model_state, optimizer_state))
                 except OSError as err:
-                    what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
-                    error = f"{what} while saving step {step}; {self.intact()}"
+                    error = self._save_failed(err, step)
         error = distributed.agree(error)
         if error:
             raise RunError(error)
@@ -523,8 +525,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget)
     if gpus > 1 and int(os.environ["RANK"]) != 0:
         console = Console(quiet=True)  # rank 0 speaks for the run
-    out = Path(out) if out else Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-" \
-                                               f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out = Path(out) if out else default_run_dir(workload)
     state = path = None
     if resume:
         found = ckpt.load_latest(out)
@@ -554,6 +555,11 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                       progress=progress, console=console, gpus=gpus, layout=layout)
+
+
+def default_run_dir(workload: Workload) -> Path:
+    """A new run folder under ./runs/, named after the workload and the time."""
+    return Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
 
 def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str:
