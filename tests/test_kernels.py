@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 
+import importlib
+import json
+
 import pytest
 import torch
 from torch import nn
 
 import memfit
 from memfit.memory.isolate import run_isolated
+from memfit.memory import kernels
 from memfit.memory.kernels import CudnnWorkspaces, host_threads, lstm_workspace_bytes
 from memfit.torch_internals import TorchDispatchMode, profiler_surviving_allocations
 
@@ -235,3 +239,21 @@ def test_reductions_that_accumulate_in_int64_hold_a_copy_on_the_cpu():
                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="counts")
     cfg = memfit.Config(micro_batch=4)
     assert memfit.estimate(wl, cfg).peak_bytes == real_step_peak(wl, cfg)
+
+
+def test_a_fresh_cache_measures_each_signature_in_the_helper(tmp_path, monkeypatch):
+    """On a new machine (an empty cache) the measuring helper answers: a bf16 matmul and FSDP2's chunk_cat
+    are measured, counted and written to the cache; none fails. (A helper that could not start once made
+    every signature fail silently, at two seconds each.)"""
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    work = kernels.CpuWorkspaces(threads=1)
+    a, b = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
+    work(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+    importlib.import_module("torch.distributed.fsdp")  # registers the fsdp ops
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    chunk_cat = torch.ops.fsdp.chunk_cat.default
+    out = torch.empty(2, 13)
+    chunk_cat(grads, 0, 2, out=out)
+    work(chunk_cat, (grads, 0, 2), {"out": out}, None)
+    assert (work.counted, work.failed, work.too_large) == (2, 0, 0)
+    assert len(json.loads(work.path.read_text())) == 2

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -290,6 +291,8 @@ class CpuWorkspaces:
 
     def _measure(self, request: dict) -> int | None:
         helper = _helper(self.threads)
+        if helper is None:
+            return None
         try:
             helper.stdin.write(json.dumps(request) + "\n")
             helper.stdin.flush()
@@ -324,12 +327,15 @@ class CpuWorkspaces:
 _helpers: dict[tuple[int, int], subprocess.Popen] = {}  # (process id, threads) -> measuring helper
 
 
-def _helper(threads: int) -> subprocess.Popen:
+def _helper(threads: int) -> subprocess.Popen | None:
     """This process's measuring helper for `threads`: a fresh Python, since OpenMP cannot run more than one
-    thread in a forked child (which is where tracing runs); started on first use, ended at exit."""
+    thread in a forked child (which is where tracing runs); started on first use, ended at exit. One that
+    died is not started again (None): each start costs seconds, and whatever killed it would again."""
     key = (os.getpid(), threads)
     helper = _helpers.get(key)
-    if helper is None or helper.poll() is not None:
+    if helper is not None and helper.poll() is not None:
+        return None
+    if helper is None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         helper = _helpers[key] = subprocess.Popen(
             [sys.executable, "-c", f"from memfit.memory.kernels import serve; serve({threads})"],
@@ -432,7 +438,7 @@ def serve(threads: int) -> None:
         request = json.loads(line)
         namespace, name, overload = request["op"].split(".")
         if namespace == "fsdp":
-            import torch.distributed.fsdp  # noqa: F401 - registers the fsdp ops
+            importlib.import_module("torch.distributed.fsdp")  # registers the fsdp ops
         func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
         try:
             reply = {"bytes": workspace_of(func, _make(request["args"]), _make(request["kwargs"]))}
