@@ -87,7 +87,14 @@ def test_readme_command(line, workdir, record_property):
     if line.endswith(GPU_MARKER) and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     root, env = workdir
+    profiles = lambda: {p: p.stat().st_mtime_ns for p in (root / "cache").glob("profile-*")}  # noqa: E731
+    before = profiles()
     r = _run(["bash", "-c", line], root, env, record_property, line)
+    if line.startswith("memfit calibrate") and r.returncode == 2 and "calibration rejected" in r.stderr:
+        # its documented answer on a busy machine (a shared CI box has bursts): nothing is saved, and the
+        # commands after it calibrate when they need to, with a warning
+        assert profiles() == before, "a rejected calibration was saved"
+        pytest.skip(f"the machine was too noisy to calibrate: {r.stderr.strip()}")
     assert r.returncode == 0, f"{line}\nexit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
 
 
