@@ -9,10 +9,12 @@ from memfit.memory import kernels
 def pytest_configure(config):
     """The suite runs as on a new machine: memfit's caches (this CPU's calibration, measured kernel
     workspaces) start empty in a folder of the run's own, as in CI, so nothing measured by an earlier run
-    or an older memfit can hide a fault in measuring. Parallel workers (pytest-xdist) inherit the folder
-    their controller made, so the machine is calibrated once."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        os.environ["MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+    or an older memfit can hide a fault in measuring. The CPU is calibrated here, once (~25 s), so that no
+    test's time depends on whether it happens to be the first to need step times."""
+    os.environ["MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+    from memfit.memory.devices import get_device
+    from memfit.planner.costmodel import profile_for
+    profile_for(get_device("cpu"))
 
 
 @pytest.fixture

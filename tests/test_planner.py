@@ -437,3 +437,30 @@ def test_a_family_prices_any_micro_batch_as_a_full_trace_does():
     fixed = Profile(**{**CURVED.to_dict(), "curves": {
         **CURVED.curves, **{f"elementwise.{t}": [[1e3, 1e-5], [1e6, 1.1e-5], [1e9, 0.05]] for t in ("f32", "lp")}}})
     assert family.seconds(fixed, 32, 1) == pytest.approx(step_seconds(fixed, full), rel=0.01)
+
+
+def test_op_alignment_is_a_longest_common_subsequence():
+    """The two probes' op lists are matched by a shortest edit script (Myers): on random lists over a few
+    names (many repeats, as op names have) the pairs match, increase, and are as many as the longest common
+    subsequence found by dynamic programming."""
+    import random
+
+    from memfit.planner.search import _matches
+
+    def lcs(a, b):
+        prev = [0] * (len(b) + 1)
+        for x in a:
+            cur = [0]
+            for j, y in enumerate(b):
+                cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+            prev = cur
+        return prev[-1]
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.choice("abc") for _ in range(rng.randint(0, 14))]
+        b = [rng.choice("abc") for _ in range(rng.randint(0, 14))]
+        pairs = _matches(a, b)
+        assert all(a[i] == b[j] for i, j in pairs)
+        assert all(p[0] < q[0] and p[1] < q[1] for p, q in zip(pairs, pairs[1:]))
+        assert len(pairs) == lcs(a, b)

@@ -9,7 +9,6 @@ confirmed by a full estimate before one is chosen.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 
@@ -128,11 +127,11 @@ def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
     """The second probe's op table, and the first probe's FLOPs, bytes and fresh allocations row by row
     onto the second's ops. The lists differ where the micro-batch changes an op (a reshape is a view at
     micro-batch 1 and a copy at 2; every op after it shifts): each op of the second is matched to the same
-    op of the first (difflib), and one the first lacks is taken as growing with the micro-batch."""
+    op of the first (a shortest edit script), and one the first lacks is taken as growing with the micro-batch."""
     t1, t2 = OpTable(o1), OpTable(o2)
     index = torch.full((len(o2),), -1, dtype=torch.long)
-    for a, b, n in difflib.SequenceMatcher(a=o2.name, b=o1.name, autojunk=False).get_matching_blocks():
-        index[a:a + n] = torch.arange(b, b + n)
+    for a, b in _matches(o2.name, o1.name):
+        index[a] = b
     found = index >= 0
     first = []
     for field in ("flops", "bytes", "alloc"):
@@ -140,6 +139,48 @@ def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
         values[found] = getattr(t1, field)[index[found]]
         first.append(values)
     return tuple(first), t2
+
+
+def _matches(a: list, b: list) -> list[tuple[int, int]]:
+    """Index pairs (i, j) with a[i] == b[j] of a longest common subsequence: Myers' O((N+M)·D) diff, fast
+    because two probes' traces differ in few places (D), however long they are (difflib takes minutes on
+    a 10,000-op step whose op names repeat thousands of times)."""
+    ids: dict = {}
+    a = [ids.setdefault(x, len(ids)) for x in a]
+    b = [ids.setdefault(x, len(ids)) for x in b]
+    n, m = len(a), len(b)
+    v = {1: 0}
+    trace = []
+    for d in range(n + m + 1):
+        trace.append(dict(v))
+        for k in range(-d, d + 1, 2):
+            x = v[k + 1] if k == -d or (k != d and v[k - 1] < v[k + 1]) else v[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[k] = x
+            if x >= n and y >= m:
+                return _backtrack(trace, n, m)
+    return []
+
+
+def _backtrack(trace: list[dict], x: int, y: int) -> list[tuple[int, int]]:
+    """Walk Myers' furthest-reaching paths back from (x, y), collecting the diagonal (matching) steps."""
+    pairs = []
+    for d in range(len(trace) - 1, 0, -1):
+        v, k = trace[d], x - y
+        down = k == -d or (k != d and v[k - 1] < v[k + 1])
+        px = v[k + 1] if down else v[k - 1]
+        py = px - (k + 1 if down else k - 1)
+        mx, my = (px, py + 1) if down else (px + 1, py)  # after the edit, before the snake
+        while x > mx:
+            x, y = x - 1, y - 1
+            pairs.append((x, y))
+        x, y = px, py
+    while x > 0 and y > 0:  # d = 0: the common prefix
+        x, y = x - 1, y - 1
+        pairs.append((x, y))
+    return pairs[::-1]
 
 
 def _family_name(cfg: Config) -> str:
