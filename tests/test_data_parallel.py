@@ -277,3 +277,51 @@ def test_gpu_counts_and_a_plan_per_count():
     assert [r["gpus"] for r in rows] == [1, 2, 16]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["plan"].config.gpus == 2
     assert rows[2]["plan"] is None and "does not split" in rows[2]["why"]
+
+
+OOM_ON_RANK_1 = '''
+import dataclasses, os
+import torch
+from memfit.workload import batch_size
+from memfit.workloads import builtin
+
+calls = 0
+
+def workload():
+    base = builtin("gpt-tiny")
+
+    def loss(model, batch):  # rank 1 runs out of memory in its third forward at micro-batch 4 (step 1)
+        global calls
+        calls += 1
+        if os.environ.get("RANK") == "1" and batch_size(batch) > 2 and calls == 3:
+            raise torch.OutOfMemoryError("injected: out of memory on rank 1")
+        return base.loss(model, batch)
+
+    return dataclasses.replace(base, loss=loss, name="gpt-tiny-oom-on-rank-1")
+'''
+
+
+def test_an_oom_on_one_rank_restarts_every_rank_in_the_next_configuration(tmp_path, capfd):
+    """Rank 1 alone runs out of memory in step 1 while rank 0 waits in a collective. It records the next
+    configuration of the ladder and exits; torchrun ends rank 0; `memfit train` starts both again with
+    --resume: from the step-1 checkpoint, at micro-batch 2. The steps are logged once each, the OOM with
+    step 1, and the losses are the one-process run's (the same math)."""
+    from memfit.runtime.run import train
+
+    job = tmp_path / "oomjob.py"
+    job.write_text(OOM_ON_RANK_1)
+    out = tmp_path / "ranks"
+    common = ["--global-batch", "16", "--micro-batch", "4", "--schedule", "constant", "--no-progress", "--steps", "3"]
+    assert main(["train", f"{job}:workload", *common, "--gpus", "2", "--checkpoint-every", "1",
+                 "--out", str(out)]) == 0
+    err = capfd.readouterr().err
+    assert "rank 1: step 1: out of memory" in err and "starting the 2 ranks again" in err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["micro_batch"] for r in steps] == [4, 2, 2] and [r["grad_accum"] for r in steps] == [2, 4, 4]
+    assert [len(r["events"]) for r in steps] == [0, 1, 0] and "going on with 2 GPUs fsdp, micro-batch 2 x 4" in steps[1]["events"][0]
+    assert json.loads((out / "report.json").read_text())["oom_recoveries"] == 1
+    one = train(builtin("gpt-tiny"), 3, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
+                progress=False)
+    assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from memfit import __version__
 from memfit.config import LAYOUTS, PRECISIONS, Config
@@ -267,8 +268,9 @@ def cmd_train(args) -> int:
         if args.global_batch % args.gpus:
             raise ConfigError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}")
         if args.out is None:  # every rank must write into the same run folder
-            args.argv += ["--out", str(default_run_dir(workload))]
-        code = distributed.launch(args.gpus, args.argv)
+            args.out = str(default_run_dir(workload))
+            args.argv += ["--out", args.out]
+        code = distributed.run_ranks(args.gpus, args.argv, Path(args.out), say=lambda m: print(m, file=sys.stderr))
         if code:
             raise RunError(f"{args.gpus} ranks ran; one or more exited with status {code} (its error is above)")
         return 0

@@ -11,13 +11,23 @@ ordinary memfit checkpoint (atomic, checksummed: runtime/checkpoints.py); a resu
 rank and `set_state_dict` takes each rank's shard of it, at whatever world size the run now has (4 -> 2 -> 1).
 Rank 0 holds the full state in host memory while it saves; sharded saving (`dcp.save`) for models too large
 for that is not built yet.
+
+Out of memory on any rank: the other ranks are waiting in a collective that rank will never join, so no
+agreement inside the step is possible. The rank that ran out writes the next configuration of the recovery
+ladder to the run folder (`RECOVERY`) and exits; torchrun ends the others; `run_ranks` starts all of them
+again with `--resume`, and every rank continues from the newest checkpoint (or the first step) in that
+configuration -- the same math, the steps since the checkpoint redone. Under an outside launcher the same
+command with `--resume` does it.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,11 +43,49 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(gpus: int, argv: list[str]) -> int:
+RECOVERY = "recovery.json"  # in the run folder: the configuration every rank continues in after an OOM
+MAX_RESTARTS = 16  # the recovery ladder is shorter than this for any micro-batch below 2**14
+
+
+def launch(gpus: int, argv: list[str], launch_id: str | None = None) -> int:
     """Run `memfit <argv>` as `gpus` ranks on this machine with torchrun; its exit status."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            "--no-python", sys.executable, "-m", "memfit.cli", *argv]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if launch_id:
+        env["MEMFIT_LAUNCH"] = launch_id
+    return subprocess.call(cmd, env=env)
+
+
+def run_ranks(gpus: int, argv: list[str], out: Path, say=print) -> int:
+    """`launch`, started again with `--resume` each time a rank ran out of memory and asked for the next
+    configuration (`request_recovery`); the exit status of the last launch."""
+    for _ in range(MAX_RESTARTS + 1):
+        launch_id = uuid.uuid4().hex
+        code = launch(gpus, argv, launch_id)
+        request = recovery_request(out)
+        if code == 0 or request is None or request.get("launch") != launch_id:
+            return code
+        say(f"memfit: {request['event']}: starting the {gpus} ranks again")
+        if "--resume" not in argv:
+            argv = [*argv, "--resume"]
+    return code
+
+
+def request_recovery(out: Path, step: int, config: dict, event: str) -> Path:
+    """Record, atomically, the configuration the ranks go on in after an OOM at `step`."""
+    path = out / RECOVERY
+    tmp = path.with_name(f"{RECOVERY}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dict(step=step, config=config, event=event, launch=os.environ.get("MEMFIT_LAUNCH"))))
+    os.replace(tmp, path)
+    return path
+
+
+def recovery_request(out: Path) -> dict | None:
+    try:
+        return json.loads((out / RECOVERY).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def join(gpus: int, device: str) -> int:

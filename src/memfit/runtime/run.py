@@ -235,6 +235,7 @@ class _Run:
         self.stop_requested = False
         self.saved_step: int | None = None  # the newest checkpoint this run wrote or resumed from
         self.refusals: dict = {}  # activation checkpointing -> why its probe failed, or None
+        self.pending: dict[int, list[str]] = {}  # step -> events to log with it (an OOM on another launch)
         self.tracker = None
         if budget is not None and device == "cpu":  # a virtual device: count live bytes, OOM past the budget
             self.tracker = LiveBytes("cpu", budget=budget, detail=False, workspace=CpuWorkspaces())
@@ -349,12 +350,34 @@ class _Run:
                 return loss, peak
             except torch.OutOfMemoryError as oom:
                 torch.set_rng_state(rng)
+                if self.trainer.config.gpus > 1:
+                    raise self._restart_ranks(step, oom) from oom
                 events.append(self._recover(step, oom))
 
     def _recover(self, step: int, oom: Exception) -> str:
-        """Free what the failed attempt held and move to the next configuration. Gradients are dropped (the
-        step starts from zero gradients anyway); the optimizer has not stepped: OOMs are raised before or
-        inside forward/backward, and the optimizer step allocates nothing the trace did not see."""
+        """Move this process to the next configuration and say so (the step is then redone)."""
+        cand, said = self._step_down(step, oom)
+        self.trainer.reconfigure(cand)
+        msg = "; ".join([*said, f"redoing the same global batch with {cand.describe()}"])
+        self.console.print(f"[yellow]{msg}[/]")
+        return msg
+
+    def _restart_ranks(self, step: int, oom: Exception) -> RunError:
+        """Out of memory on this rank while the others wait in a collective: record the next configuration
+        for every rank (runtime/distributed.py) and stop; all ranks start again from the newest checkpoint."""
+        cand, said = self._step_down(step, oom)
+        where = self.intact().replace("is intact", "is where every rank goes on from") \
+            if ckpt.latest_checkpoint(self.out) else "every rank starts again from the first step"
+        event = "; ".join([f"rank {self.rank}: {said[0]}", *said[1:], f"going on with {cand.describe()}"])
+        distributed.request_recovery(self.out, step, cand.to_dict(), event)
+        return RunError(f"{event}; {where} (`memfit train --gpus` restarts the ranks itself; under another "
+                        "launcher, run the same command with --resume)")
+
+    def _step_down(self, step: int, oom: Exception) -> tuple[Config, list[str]]:
+        """Free what the failed attempt held; the next configuration of the recovery ladder that this
+        model can run, and what was said on the way. Gradients are dropped (the step starts from zero
+        gradients anyway); the optimizer has not stepped: OOMs are raised before or inside forward/backward,
+        and the optimizer step allocates nothing the trace did not see."""
         e = self.trainer.engine
         phase = getattr(e, "phase", "?")
         e.optimizer.zero_grad(set_to_none=True)
@@ -366,7 +389,7 @@ class _Run:
             torch.cuda.empty_cache()
         old = self.trainer.config
         skipped = []
-        ladder = recovery_ladder(old, self.global_batch)
+        ladder = recovery_ladder(old, self.global_batch // old.gpus)
         for i, cand in enumerate(ladder):
             if cand.activation_checkpoint != old.activation_checkpoint:  # a strategy the run has not run yet
                 self._probe([c for c in ladder[i:] if c.activation_checkpoint != old.activation_checkpoint])
@@ -374,11 +397,10 @@ class _Run:
                     skipped.append(f"activation checkpointing {cand.activation_checkpoint} not tried: "
                                    f"{self.refusals[cand.activation_checkpoint]}")
                     continue
-            self.trainer.reconfigure(cand)
-            msg = "; ".join([f"step {step}: out of memory ({phase}) at {old.describe()}", *skipped,
-                             f"redoing the same global batch with {cand.describe()}"])
-            self.console.print(f"[yellow]{msg}[/]")
-            return msg
+            return cand, [f"step {step}: out of memory ({phase}) at {old.describe()}", *skipped]
+        if old.gpus > 1:  # saving is a collective the other ranks, stuck in the step, cannot join
+            raise RunError("; ".join([f"rank {self.rank}: step {step}: out of memory at {old.describe()} and "
+                                      "nothing smaller is left to try", *skipped, self.intact()])) from oom
         path = self.save(step)
         raise RunError("; ".join([f"step {step}: out of memory at {old.describe()} and nothing smaller is left to "
                                   f"try", *skipped, f"checkpoint written to {path}"])) from oom
@@ -413,7 +435,7 @@ class _Run:
             with Progress(*columns, console=self.console, disable=not progress, transient=False) as bar:
                 task = bar.add_task("train", total=self.steps, completed=start, info="")
                 for step in range(start, self.steps):
-                    events: list[str] = []
+                    events: list[str] = self.pending.pop(step, [])
                     t0 = time.perf_counter()
                     try:
                         loss, peak = self.step(step, events, measure=step < start + 3)
@@ -527,7 +549,9 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(out) if out else default_run_dir(workload)
     state = path = None
-    if resume:
+    recovery = distributed.recovery_request(out) if resume and gpus > 1 else None
+    restarted = recovery is not None
+    if resume and not (restarted and not ckpt.list_checkpoints(out)):  # (ranks restarted before any checkpoint)
         found = ckpt.load_latest(out)
         if found is None:
             what = "complete" if not ckpt.list_checkpoints(out) else "intact"
@@ -544,7 +568,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
                              final_loss=losses[-1] if losses else float("nan"), metrics=history,
                              report=json.loads((out / "report.json").read_text()), already_complete=True)
     else:
-        if ckpt.list_checkpoints(out):  # a fresh run among them would resume into the old one
+        if ckpt.list_checkpoints(out) and not restarted:  # a fresh run among them would resume into the old one
             raise RunError(f"{out} already holds checkpoints of a run (newest: step {ckpt.list_checkpoints(out)[-1][0]}); "
                            "resume it with --resume, or start the new run in another folder")
         identity = dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps,
@@ -554,7 +578,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     with deterministic_mode(identity["deterministic"], identity["threads"]):
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                      progress=progress, console=console, gpus=gpus, layout=layout)
+                      progress=progress, console=console, gpus=gpus, layout=layout, recovery=recovery)
 
 
 def default_run_dir(workload: Workload) -> Path:
@@ -575,13 +599,11 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str
     if global_batch % (gpus * (micro_batch or 1)):
         raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks x micro-batch "
                           f"{micro_batch or 1}")
-    if budget is not None:
-        raise ConfigError("a memory budget across ranks (OOM recovery agreed by every rank) is not built yet")
     return layout
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
-           checkpoint_every, progress, console, gpus=1, layout="none") -> RunResult:
+           checkpoint_every, progress, console, gpus=1, layout="none", recovery=None) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline
 
@@ -593,7 +615,8 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     if gpus > 1:
         return _train_on_ranks(workload, identity, out, state, path, device=device, dev=dev, config=config,
                                micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                               progress=progress, console=console, gpus=gpus, layout=layout)
+                               progress=progress, console=console, gpus=gpus, layout=layout, budget=budget_bytes,
+                               recovery=recovery)
     if state is not None:  # the run goes on in the configuration it was saved in
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
@@ -648,13 +671,19 @@ def _on_one_rank(config: Config, global_batch: int) -> Config:
 
 
 def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
-                    checkpoint_every, progress, console, gpus, layout) -> RunResult:
+                    checkpoint_every, progress, console, gpus, layout, budget, recovery) -> RunResult:
     """`_train` as one of `gpus` ranks: rank 0 predicts (before the world exists: the estimate traces a fake
-    one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder."""
+    one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder. Under a
+    budget, every rank counts its own memory; an OOM on any rank restarts all of them in the next
+    configuration (runtime/distributed.py), recorded in the run folder and applied here."""
     from memfit.report.plots import plot_loss, plot_memory_timeline
 
     steps, global_batch = identity["steps"], identity["global_batch"]
     saved = Config.from_dict(state["config"]) if state is not None else config
+    if recovery is not None and state is not None and recovery["step"] < state["step"]:
+        recovery = None  # the checkpoint is newer than the OOM: its configuration already is the recovered one
+    if recovery is not None:
+        saved, micro_batch = Config.from_dict(recovery["config"]), None
     micro = micro_batch or (saved.micro_batch if saved is not None else global_batch // gpus)
     if (global_batch // gpus) % micro:
         micro = global_batch // gpus  # a resume on fewer ranks than the micro-batch was chosen for
@@ -670,8 +699,12 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
     try:
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, None,
+            if recovery is None:  # left by an earlier run in this folder that never resumed
+                (out / distributed.RECOVERY).unlink(missing_ok=True)
+        run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget,
                    checkpoint_every, console, {config: start})
+        if recovery is not None:
+            run.pending[recovery["step"]] = [recovery["event"]]
         if state is not None:
             run.restore(path, state)
         elif rank == 0 and run.metrics_path.exists():
