@@ -507,7 +507,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         global_batch: samples per optimizer step; accumulation makes it up whatever the micro-batch.
         budget: memory to fit in: bytes, ``"24GiB"``, ``"80GB"`` or ``"50%"`` of the device. On a CPU it is a
             virtual device of that size (an allocation past it raises ``torch.OutOfMemoryError``, which OOM
-            recovery handles); on a GPU, the process's memory fraction. None: no limit.
+            recovery handles); on a GPU, the process's memory fraction; with `gpus`, each rank's (an OOM on
+            any rank restarts all of them in the next configuration). None: no limit.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (the device present).
         config: the configuration to start from (its ``grad_accum`` is recomputed for `global_batch`).
         micro_batch: start from this micro-batch instead of planning.
