@@ -106,10 +106,14 @@ def test_cli_estimates_per_rank_and_refuses_bad_layouts_in_one_line(capfd):
     assert main(["estimate", "gpt-tiny", "--gpus", "4", "--device", "h100", "--json"]) == 0
     out = json.loads(capfd.readouterr().out)
     assert out["config"]["gpus"] == 4 and out["config"]["data_parallel"] == "fsdp"  # fsdp: the default layout
-    for argv in (["--gpus", "12", "--data-parallel", "hsdp"], ["--gpus", "4", "--data-parallel", "ddp"]):
+    for argv in (["--gpus", "12", "--data-parallel", "hsdp"], ["--gpus", "4", "--data-parallel", "ddp"],
+                 ["--gpus", "32", "--data-parallel", "hsdp", "--gpus-per-node", "16"]):
         code = main(["estimate", "gpt-tiny", "--device", "h100", *argv])
         err = capfd.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "a h100 node holds at most 8" in err[0]  # more GPUs per node than the catalogue's nodes hold
+    code = main(["plan", "gpt-tiny", "--global-batch", "64", "--device", "h100", "--gpus", "32", "--gpus-per-node", "16"])
+    assert code == 2 and "a h100 node holds at most 8" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("layout,precision,checkpoint", [("fsdp", "fp32", "none"), ("fsdp", "bf16", "all"),

@@ -171,6 +171,7 @@ class Links:
     within_node: float  # bytes/s
     across_nodes: float  # bytes/s
     latency: float = 5e-6  # seconds per ring step
+    node_gpus: int = 8  # the most GPUs of this kind one node holds (HGX / DGX boards and PCIe servers: 8)
 
 
 _LINKS = {"h100": Links(370e9, 50e9), "h200": Links(370e9, 50e9), "h100-pcie": Links(24e9, 50e9),
@@ -184,6 +185,15 @@ def links(dev: Device) -> Links | None:
     if dev.kind != "cuda" or dev.name.startswith("v100"):
         return None
     return _LINKS.get(dev.name, _PCIE_LINKS)
+
+
+def check_node(dev: Device, gpus_per_node: int | None) -> None:
+    """A node size the catalogue's nodes can hold (the step time prices the links inside a node as NVLink
+    or PCIe, and those between nodes as the network: a larger node would be priced too fast)."""
+    speeds = links(dev)
+    if gpus_per_node is not None and speeds is not None and gpus_per_node > speeds.node_gpus:
+        raise ConfigError(f"{gpus_per_node} GPUs per node: a {dev.name} node holds at most {speeds.node_gpus} "
+                          "(HGX / DGX boards, PCIe servers)")
 
 ALIASES: dict[str, str] = {
     "a100": "a100-80gb",

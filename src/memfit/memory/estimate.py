@@ -22,7 +22,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
-from memfit.memory.devices import Device, defaults_for, get_device
+from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces
@@ -147,6 +147,7 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
     if config_fields:
         config = config.replace(**config_fields)
     check_precision(config, dev.name, dev.bf16)
+    check_node(dev, config.gpus_per_node)
     run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
         return run(lambda: _trace(workload, config, dev, fake=True))

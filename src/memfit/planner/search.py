@@ -16,7 +16,7 @@ import torch
 
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
-from memfit.memory.devices import Device, defaults_for, get_device
+from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line, probe,
                                     probe_pair, state_bytes)
 from memfit.memory.isolate import run_isolated, run_isolated_many
@@ -431,6 +431,7 @@ def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, g
     if global_batch % gpus or (micro_batch and (global_batch // gpus) % micro_batch):
         raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks"
                           + (f" x micro-batch {micro_batch}" if micro_batch else ""))
+    check_node(dev, per_node)
     if layout is not None:
         return [layout]
     node = per_node or 8
