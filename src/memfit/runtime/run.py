@@ -351,7 +351,7 @@ class _Run:
             except torch.OutOfMemoryError as oom:
                 torch.set_rng_state(rng)
                 if self.trainer.config.gpus > 1:
-                    raise self._restart_ranks(step, oom) from oom
+                    self._restart_ranks(step, oom)  # raises
                 events.append(self._recover(step, oom))
 
     def _recover(self, step: int, oom: Exception) -> str:
@@ -362,7 +362,7 @@ class _Run:
         self.console.print(f"[yellow]{msg}[/]")
         return msg
 
-    def _restart_ranks(self, step: int, oom: Exception) -> RunError:
+    def _restart_ranks(self, step: int, oom: Exception) -> None:
         """Out of memory on this rank while the others wait in a collective: record the next configuration
         for every rank (runtime/distributed.py) and stop; all ranks start again from the newest checkpoint."""
         cand, said = self._step_down(step, oom)
@@ -370,8 +370,8 @@ class _Run:
             if ckpt.latest_checkpoint(self.out) else "every rank starts again from the first step"
         event = "; ".join([f"rank {self.rank}: {said[0]}", *said[1:], f"going on with {cand.describe()}"])
         distributed.request_recovery(self.out, step, cand.to_dict(), event)
-        return RunError(f"{event}; {where} (`memfit train --gpus` restarts the ranks itself; under another "
-                        "launcher, run the same command with --resume)")
+        raise RunError(f"{event}; {where} (`memfit train --gpus` restarts the ranks itself; under another "
+                       "launcher, run the same command with --resume)") from oom
 
     def _step_down(self, step: int, oom: Exception) -> tuple[Config, list[str]]:
         """Free what the failed attempt held; the next configuration of the recovery ladder that this
