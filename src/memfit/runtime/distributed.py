@@ -72,13 +72,12 @@ def run_ranks(gpus: int, argv: list[str], out: Path, say=print) -> int:
     return code
 
 
-def request_recovery(out: Path, step: int, config: dict, event: str) -> Path:
-    """Record, atomically, the configuration the ranks go on in after an OOM at `step`."""
+def request_recovery(out: Path, step: int, config: dict, event: str) -> None:
+    """Record, atomically, the configuration the ranks go on in after an OOM at `step`, for this launch."""
     path = out / RECOVERY
     tmp = path.with_name(f"{RECOVERY}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(dict(step=step, config=config, event=event, launch=os.environ.get("MEMFIT_LAUNCH"))))
     os.replace(tmp, path)
-    return path
 
 
 def recovery_request(out: Path) -> dict | None:

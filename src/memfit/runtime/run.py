@@ -366,8 +366,8 @@ class _Run:
         """Out of memory on this rank while the others wait in a collective: record the next configuration
         for every rank (runtime/distributed.py) and stop; all ranks start again from the newest checkpoint."""
         cand, said = self._step_down(step, oom)
-        where = self.intact().replace("is intact", "is where every rank goes on from") \
-            if ckpt.latest_checkpoint(self.out) else "every rank starts again from the first step"
+        latest = ckpt.latest_checkpoint(self.out)
+        where = f"every rank goes on from {latest.name}" if latest else "every rank starts again from the first step"
         event = "; ".join([f"rank {self.rank}: {said[0]}", *said[1:], f"going on with {cand.describe()}"])
         distributed.request_recovery(self.out, step, cand.to_dict(), event)
         raise RunError(f"{event}; {where} (`memfit train --gpus` restarts the ranks itself; under another "
@@ -550,9 +550,9 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(out) if out else default_run_dir(workload)
     state = path = None
+    # ranks started again after an OOM (runtime/distributed.py) before any checkpoint begin at the first step
     recovery = distributed.recovery_request(out) if resume and gpus > 1 else None
-    restarted = recovery is not None
-    if resume and not (restarted and not ckpt.list_checkpoints(out)):  # (ranks restarted before any checkpoint)
+    if resume and (recovery is None or ckpt.list_checkpoints(out)):
         found = ckpt.load_latest(out)
         if found is None:
             what = "complete" if not ckpt.list_checkpoints(out) else "intact"
@@ -569,7 +569,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
                              final_loss=losses[-1] if losses else float("nan"), metrics=history,
                              report=json.loads((out / "report.json").read_text()), already_complete=True)
     else:
-        if ckpt.list_checkpoints(out) and not restarted:  # a fresh run among them would resume into the old one
+        if ckpt.list_checkpoints(out):  # a fresh run among them would resume into the old one
             raise RunError(f"{out} already holds checkpoints of a run (newest: step {ckpt.list_checkpoints(out)[-1][0]}); "
                            "resume it with --resume, or start the new run in another folder")
         identity = dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps,
@@ -730,6 +730,9 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
                                  title=f"{workload.name}: memory of one step on rank 0 at {config.describe()} "
                                        "(predicted)")
         losses = [r for r in history if "loss" in r]
+        # every rank done with the world before any leaves it: a rank tearing gloo down while rank 0 still
+        # writes the report was seen to abort in C++ ("terminate called without an active exception")
+        torch.distributed.barrier()
         return RunResult(out=out, steps=run.trainer.step_count, config=config,
                          final_loss=losses[-1]["loss"] if losses else float("nan"), metrics=history, report=report)
     finally:
