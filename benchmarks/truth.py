@@ -7,6 +7,7 @@ import gc
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.memory.kernels import rank_threads
 from memfit.torch_internals import profiler_allocations, profiler_memory_timeline
 
 
@@ -106,7 +107,7 @@ def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
 
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-            torch.set_num_threads(1)
+            torch.set_num_threads(rank_threads())  # as `memfit train --gpus` starts its ranks
             results.put((rank, fn(rank)))
             if dist.is_initialized():  # fn may have left the world itself
                 dist.destroy_process_group()

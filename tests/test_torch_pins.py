@@ -21,6 +21,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
+    pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     assert set(ti.__all__) == pinned
 
 
@@ -291,3 +292,31 @@ def test_profiler_reports_the_cpu_allocators_running_total_and_recorded_ranges()
         (4000, 4000, "aten::ones"), (8000, 12000, "aten::ones"), (-8000, 4000, "")]
     assert events[1][4] == events[2][4] != events[0][4]  # the block's address, at allocation and at free
     assert windows[0][0] <= events[1][0] <= events[2][0] <= windows[0][1] and a.numel() == 1000
+
+
+def test_ddp_buckets_close_at_the_first_cap_then_the_bucket_cap():
+    """DDP's assignment: in the order given, a bucket closes once it holds at least its cap (about 1 MiB for
+    the first, then the given cap), one dtype per bucket."""
+    params = [torch.empty(n) for n in (100, 300_000, 50, 200_000, 7_000_000, 10)]  # fp32: 4 bytes each
+    assert ti.ddp_bucket_assignment(params, 25 * 2**20) == [[0, 1], [2, 3, 4], [5]]
+    mixed = [torch.empty(10), torch.empty(10, dtype=torch.bfloat16), torch.empty(10)]
+    assert sorted(ti.ddp_bucket_assignment(mixed, 25 * 2**20)) == [[0, 2], [1]]
+
+
+def test_replicate_is_ddp_in_place_with_gradients_in_one_bucket(tmp_path):
+    """A one-rank gloo world: the module keeps its class and parameter names; after backward every
+    gradient is a view into DDP's one flat bucket (gradient_as_bucket_view)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        names = [n for n, _ in model.named_parameters()]
+        assert ti.replicate(model, gradient_as_bucket_view=True) is model
+        assert isinstance(model, torch.nn.Sequential) and [n for n, _ in model.named_parameters()] == names
+        model(torch.randn(3, 4)).sum().backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) == 1
+        assert model[0].weight.grad.untyped_storage().nbytes() == 4 * sum(p.numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1,
                    help="ranks to train on: started here with torchrun (N CPU processes with gloo on a CPU), or the "
                         "world of an outside launcher (default: %(default)s)")
-    p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "ddp", "hsdp")],
+    p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "hsdp")],
                    help="layout across ranks (default: fsdp)")
     p.set_defaults(fn=cmd_train)
 

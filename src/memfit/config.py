@@ -30,8 +30,10 @@ class Config:
         offload_optimizer: fp32 master weights, optimizer state and the optimizer step live on the host
             (ZeRO-Offload's idea).
         gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
-        data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (every rank holds all
-            of it, gradients all-reduced); ``"fsdp"`` (FSDP2 ``fully_shard`` of each repeated block and the
+        data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (DistributedDataParallel:
+            every rank holds all of it; its gradients live in DDP's buckets (``gradient_as_bucket_view``),
+            all-reduced after every micro-batch's backward, which keeps no second copy of them during
+            accumulation); ``"fsdp"`` (FSDP2 ``fully_shard`` of each repeated block and the
             root, parameters resharded after forward: ZeRO-3); ``"fsdp-no-reshard"`` (kept unsharded from
             forward to backward: ZeRO-2-like); ``"hsdp"`` (sharded within a node, replicated across nodes).
             Under FSDP/HSDP, ``bf16`` is FSDP2's ``MixedPrecisionPolicy``: bf16 parameters for compute, fp32

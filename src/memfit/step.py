@@ -13,7 +13,8 @@ import torch
 from memfit.config import Config
 from memfit.errors import WorkloadError
 from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
-                               cast_inputs, check_precision, host_side, make_grad_scaler, op_policy)
+                               cast_inputs, check_precision, data_parallel_buffers, host_side, make_grad_scaler,
+                               op_policy)
 from memfit.strategies.cuda_kernels import kernels as cuda_kernels
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
@@ -119,9 +120,10 @@ class TrainStep:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything the step keeps between steps: parameters, buffers, gradients, optimizer and loss-scale
-        state, offloaded masters. A live-bytes counter started between steps begins from these."""
+        state, offloaded masters, a traced DDP's gradient buckets. A live-bytes counter started between steps begins from these."""
         out = list(self.model.parameters()) + list(self.model.buffers())
         out += [p.grad for p in self.model.parameters() if p.grad is not None] + self.host_tensors()
+        out += data_parallel_buffers(self.model)
         for state in self.optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         if self.scaler is not None:

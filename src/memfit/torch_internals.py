@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_leaves
 from memfit.errors import EstimateError
 
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
-           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
+           "ddp_bucket_assignment", "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
            "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors", "held_by",
            "make_op_outputs_swappable", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
-           "profiler_surviving_allocations", "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves",
+           "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves",
            "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
@@ -64,6 +64,24 @@ def fake_process_group(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def replicate(module: torch.nn.Module, **ddp_options) -> torch.nn.Module:
+    """DistributedDataParallel applied to `module` in place (torch's composable `replicate`, DDP's own
+    reducer run from forward hooks): the module keeps its class, parameter names and attributes, so a
+    workload's loss, checkpoints and FSDP2 layouts see the same model."""
+    from torch.distributed._composable import replicate as composable_replicate
+
+    return composable_replicate(module, **ddp_options)
+
+
+def ddp_bucket_assignment(params: list[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+    """DDP's gradient buckets from its second iteration on (the reducer rebuilds them then, in the order
+    the gradients became ready): DDP's own assignment, a first bucket of at most DDP's first-bucket cap,
+    then `bucket_cap_bytes` each, one dtype per bucket. `params` in gradient-ready order."""
+    import torch.distributed as dist
+
+    return dist._compute_bucket_assignment_by_size(params, [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes])[0]
 
 
 def make_op_outputs_swappable(mode: FakeTensorMode) -> None:

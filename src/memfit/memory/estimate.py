@@ -25,7 +25,7 @@ from memfit.memory import allocator
 from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
-from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces
+from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase)
@@ -255,16 +255,22 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
         if cuda_target and config.precision in ("fp16", "bf16") and not config.fsdp:
             notes.append("mixed precision traced with CUDA autocast's op policy")
         if config.gpus > 1:
-            notes.append(f"per rank: rank 0 of {config.gpus} ({config.data_parallel}, FSDP2 fully_shard of each "
-                         "repeated block and the root), traced with a fake process group" +
+            how = ("DDP: whole model, gradients in DDP's all-reduced buckets (gradient_as_bucket_view), "
+                   "modelled as DDP's reducer fills them" if config.data_parallel == "ddp" else
+                   f"{config.data_parallel}, FSDP2 fully_shard of each repeated block and the root")
+            notes.append(f"per rank: rank 0 of {config.gpus} ({how}), traced with a fake process group" +
                          ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
-                          if config.precision == "bf16" else ""))
+                          if config.precision == "bf16" and config.fsdp else ""))
             if cuda_target:
-                notes.append("not counted yet: NCCL communicator buffers (outside PyTorch's allocator) and the "
-                             "separate streams FSDP2 gathers and reduces on (the allocator is modelled as one)")
+                notes.append("not counted yet: NCCL communicator buffers (outside PyTorch's allocator)" +
+                             (" and the separate streams FSDP2 gathers and reduces on (the allocator is modelled "
+                              "as one)" if config.fsdp else ""))
             else:
-                notes.append("not counted: the buffer gloo gathers into inside each all-gather on its own thread "
-                             "(the output's size, while it runs)")
+                notes.append("not counted: what gloo allocates on its own threads (an all-gather's output-sized "
+                             "buffer while it runs; after an all-reduce, at times a bucket-sized one held to the "
+                             "next)")
+                notes.append(f"each rank runs {rank_threads()} intra-op thread(s) (OMP_NUM_THREADS, as `memfit train "
+                             "--gpus` starts them): kernel workspaces measured at that count")
         if cuda_target:
             notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                          "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
@@ -305,7 +311,8 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards."""
     cuda_target = dev.kind == "cuda"
     move = step.move
-    workspaces = CudnnWorkspaces() if cuda_target else CpuWorkspaces()  # what kernels hold while they run
+    # what kernels hold while they run; a CPU rank runs with its launch's thread count
+    workspaces = CudnnWorkspaces() if cuda_target else CpuWorkspaces(rank_threads() if step.config.gpus > 1 else None)
     tracker = LiveBytes("cpu", host_apart=cuda_target, workspace=workspaces)
     recorder = OpRecorder()
     if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU

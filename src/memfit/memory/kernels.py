@@ -221,6 +221,13 @@ def host_threads() -> int:
     return _parent_threads if _in_forked_child and _parent_threads else torch.get_num_threads()
 
 
+def rank_threads() -> int:
+    """Intra-op threads of each CPU rank: `memfit train --gpus N` starts the ranks with OMP_NUM_THREADS
+    (1 unless the environment sets it), so that N ranks do not oversubscribe the cores; oneDNN's
+    per-thread buffers follow it."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
+
+
 def _cache_file(threads: int) -> Path:
     """Measurements hold for one machine, PyTorch build (oneDNN version) and thread count."""
     cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),

@@ -228,7 +228,9 @@ class Comm:
     when the group fits in a node and the across-nodes one otherwise. FSDP2 gathers a unit's parameters ahead
     of its compute (prefetch) and reduces its gradients during the next unit's backward, so collectives
     overlap compute except the first all-gather of forward and the last reduce-scatter of backward:
-    a micro-step takes compute + those two + whatever the rest exceeds compute by."""
+    a micro-step takes compute + those two + whatever the rest exceeds compute by. DDP all-reduces each
+    gradient bucket as soon as it is full, during the rest of backward: the same rule, with its first
+    (DDP's small first bucket) and last buckets counted as exposed."""
     links: object   # devices.Links
     gpus: int
     shard: int      # ranks in an all-gather / reduce-scatter group (all for fsdp, a node's for hsdp)

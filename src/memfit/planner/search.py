@@ -219,7 +219,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
          gpus_per_node: int | None = None) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
-    searched, across ranks the layout too (fsdp, fsdp-no-reshard, and hsdp over more than one node)."""
+    searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node)."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
@@ -435,7 +435,7 @@ def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, g
     if layout is not None:
         return [layout]
     node = per_node or 8
-    return ["fsdp", "fsdp-no-reshard"] + (["hsdp"] if gpus > node and gpus % node == 0 else [])
+    return ["ddp", "fsdp", "fsdp-no-reshard"] + (["hsdp"] if gpus > node and gpus % node == 0 else [])
 
 
 def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.errors import RunError
+from memfit.memory.kernels import rank_threads
 
 # A rank that dies leaves the others waiting in a collective: they give up after this long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MEMFIT_COLLECTIVE_TIMEOUT", "120")))
@@ -51,7 +52,7 @@ def launch(gpus: int, argv: list[str], launch_id: str | None = None) -> int:
     """Run `memfit <argv>` as `gpus` ranks on this machine with torchrun; its exit status."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
            "--no-python", sys.executable, "-m", "memfit.cli", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads())}
     if launch_id:
         env["MEMFIT_LAUNCH"] = launch_id
     return subprocess.call(cmd, env=env)

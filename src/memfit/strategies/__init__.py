@@ -11,12 +11,13 @@ import torch
 
 from memfit.config import Config
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
-from memfit.strategies.data_parallel import apply_data_parallel
+from memfit.strategies.data_parallel import apply_data_parallel, data_parallel_buffers
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
 
 __all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
+           "data_parallel_buffers",
            "check_precision", "host_side", "make_grad_scaler", "on_host_side", "op_policy"]
 
 

@@ -8,15 +8,24 @@ first; `fsdp-no-reshard` keeps every unit gathered from its forward to its backw
 gradients and optimizer state, whole parameters during the step). `hsdp` shards within a node and
 replicates across nodes (a 2-D mesh, replicate x shard).
 
+`ddp` is PyTorch's DistributedDataParallel, applied in place (its composable `replicate`, so the model keeps
+its class and names) with `gradient_as_bucket_view`: gradients live in DDP's flat buckets, each all-reduced
+as soon as it is full during backward. memfit all-reduces after every micro-batch rather than accumulating
+under `no_sync`: more traffic, but no second, unbucketed copy of the gradients during accumulation. `bf16`
+is autocast, as on one GPU.
+
 Under FSDP, `bf16` is FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: the sharded
 parameters (the master weights) stay fp32, each unit is gathered in bf16 for compute, gradients are
 reduce-scattered in fp32. No autocast runs (strategies/precision.py). `bf16-pure` shards bf16 parameters.
 
 The ranks form the default process group: a real one under torchrun (runtime), or a fake world in which
 this process is rank 0 (memory/estimate.py), where every collective returns at once with outputs of the
-right shapes, so a per-rank step is traced like a single-process one.
+right shapes, so a per-rank step is traced like a single-process one. DDP's C++ reducer cannot run on fake
+tensors; there `TracedReducer` does to memory what it does (checked against real gloo ranks).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,18 +35,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from memfit.config import Config
 from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.torch_internals import unset_fake_temporarily
+from memfit.torch_internals import ddp_bucket_assignment, replicate, unset_fake_temporarily
 
-__all__ = ["apply_data_parallel", "device_mesh"]
+__all__ = ["apply_data_parallel", "data_parallel_buffers", "device_mesh"]
+
+BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+_TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, TracedReducer]" = weakref.WeakKeyDictionary()
 
 
 def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
     """The mesh of the default process group: 1-D for fsdp, (nodes, GPUs per node) for hsdp. Made on real
     tensors even inside a fake trace (it reads the ranks' numbers)."""
-    if not dist.is_initialized() or dist.get_world_size() != config.gpus:
-        have = dist.get_world_size() if dist.is_initialized() else "no"
-        raise ConfigError(f"data_parallel={config.data_parallel!r} over {config.gpus} GPUs needs a process group "
-                          f"of {config.gpus} ranks ({have} here): launch with torchrun or `memfit train --gpus`")
+    _check_world(config)
     shape = ((config.gpus // config.gpus_per_node, config.gpus_per_node) if config.data_parallel == "hsdp"
              else (config.gpus,))
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
@@ -45,13 +54,25 @@ def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
         return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
+def _check_world(config: Config) -> None:
+    if not dist.is_initialized() or dist.get_world_size() != config.gpus:
+        have = dist.get_world_size() if dist.is_initialized() else "no"
+        raise ConfigError(f"data_parallel={config.data_parallel!r} over {config.gpus} GPUs needs a process group "
+                          f"of {config.gpus} ranks ({have} here): launch with torchrun or `memfit train --gpus`")
+
+
 def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
-    """Shard `model` in place for config's layout (after precision and checkpointing, as torchtitan orders
-    them); a model unchanged for one GPU."""
+    """Shard or replicate `model` in place for config's layout (after precision and checkpointing, as
+    torchtitan orders them); a model unchanged for one GPU."""
     if config.data_parallel == "none":
         return model
     if config.data_parallel == "ddp":
-        raise ConfigError("data_parallel='ddp' is not built yet: use fsdp, fsdp-no-reshard or hsdp")
+        _check_world(config)
+        if dist.get_backend() == "fake":
+            _TRACED[model] = TracedReducer(model, config.gpus)
+        else:
+            replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_BYTES / 2**20)
+        return model
     mesh = device_mesh(config, device)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if config.precision == "bf16" else MixedPrecisionPolicy())
@@ -63,3 +84,52 @@ def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.de
                     reshard_after_forward=not keep and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
+
+
+def data_parallel_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the layout keeps between steps besides parameters, gradients and optimizer state: DDP's gradient
+    buckets in a traced (fake) world. A real DDP reducer's buckets are not reachable through public API;
+    nothing memfit measures on a real rank needs them."""
+    reducer = _TRACED.get(model)
+    return reducer.tensors() if reducer is not None else []
+
+
+class TracedReducer:
+    """What DDP's C++ reducer does to memory, for a fake world (the reducer needs real storage).
+
+    DDP keeps every gradient in flat buckets it owns (one dtype each; after its first iteration a first
+    bucket of about 1 MiB, then 25 MiB each, in the order gradients become ready: here reverse parameter
+    order). With `gradient_as_bucket_view` each parameter's `.grad` becomes a view into its bucket: when
+    autograd has accumulated a gradient, the reducer writes it, divided by the world size, into the bucket
+    and points `.grad` there (the tensor autograd made is freed); a gradient that already is the view is
+    divided in place. A full bucket is all-reduced (SUM) in place. Gradients therefore cost one bucket-sized
+    copy of themselves between steps, even when `zero_grad(set_to_none=True)` drops the views."""
+
+    def __init__(self, model: torch.nn.Module, world: int):
+        params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))[::-1]
+        self.world, self.buckets, self.views = world, [], {}
+        for members in ([params[i] for i in idx] for idx in ddp_bucket_assignment(params, BUCKET_CAP_BYTES)):
+            flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
+            bucket = [flat, len(members), 0]  # the buffer, its parameters, how many are ready this backward
+            self.buckets.append(bucket)
+            offset = 0
+            for p in members:
+                self.views[p] = (flat[offset:offset + p.numel()].view_as(p), bucket)
+                offset += p.numel()
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        view, bucket = self.views[p]
+        with torch.no_grad():
+            if p.grad is view:
+                view.div_(self.world)
+            else:
+                torch.mul(p.grad, 1.0 / self.world, out=view)
+                p.grad = view
+        bucket[2] += 1
+        if bucket[2] == bucket[1]:
+            bucket[2] = 0
+            dist.all_reduce(bucket[0])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [b[0] for b in self.buckets]
