@@ -1,8 +1,8 @@
-"""Per-rank estimates of FSDP2 layouts against real ranks: each configuration is estimated in one process (rank
+"""Per-rank estimates of DDP and FSDP2 layouts against real ranks: each configuration is estimated in one process (rank
 0 of a fake world) and run for real on N CPU processes joined by gloo, each rank measuring its own peak with
 the CPU allocator's running total (truth.allocator_step_peak; gloo's own all-gather buffers left out).
 
-    python benchmarks/data_parallel.py [--ranks 2,4]
+    python benchmarks/data_parallel.py [--ranks 2,4] [--only gpt-tiny,sort,hf-llama]
 
 Results: benchmarks/results/data_parallel.json.
 """
@@ -21,16 +21,32 @@ from truth import rank_step_peaks
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def hf_llama() -> memfit.Workload:
+    """transformers' own LlamaForCausalLM (a model memfit was not written for), small: 4 decoder layers."""
+    import transformers
+
+    from memfit.workloads import hf
+
+    config = transformers.AutoConfig.for_model("llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=8000)
+    return hf.from_config(config, name="hf:llama", seq=128)
+
+
+WORKLOADS = {"gpt-tiny": lambda: builtin("gpt-tiny"), "sort": lambda: builtin("sort"), "hf-llama": hf_llama}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--only", default="gpt-tiny,sort,hf-llama")
     args = ap.parse_args()
-    workloads = {"gpt-tiny": builtin("gpt-tiny"), "sort": builtin("sort")}
+    workloads = {name: WORKLOADS[name]() for name in args.only.split(",")}
     rows = []
     for (name, wl), n, layout, precision, ck in itertools.product(
-            workloads.items(), [int(r) for r in args.ranks.split(",")], ["fsdp", "fsdp-no-reshard"],
+            workloads.items(), [int(r) for r in args.ranks.split(",")], ["ddp", "fsdp", "fsdp-no-reshard"],
             ["fp32", "bf16"], ["none", "all"]):
-        cfg = Config(micro_batch=8, gpus=n, data_parallel=layout, precision=precision, activation_checkpoint=ck)
+        mb = 4 if name == "hf-llama" else 8
+        cfg = Config(micro_batch=mb, gpus=n, data_parallel=layout, precision=precision, activation_checkpoint=ck)
         est = memfit.estimate(wl, cfg).peak_bytes
         peaks = rank_step_peaks(wl, cfg)
         row = dict(workload=name, ranks=n, layout=layout, precision=precision, checkpoint=ck, estimate=est,

@@ -80,6 +80,26 @@ def test_reshard_after_forward_frees_gathered_blocks_that_no_reshard_keeps():
     assert keep.peak_bytes >= reshard.peak_bytes
 
 
+def test_gpu_estimates_count_nccl_communicators_outside_the_allocator():
+    """nvidia-smi's figure per rank = reserved + CUDA context + NCCL: one communicator for ddp and fsdp (the
+    default group), three for hsdp (world, replicas, shard group), a network buffer for each spanning nodes."""
+    from memfit.memory.devices import MiB, get_device, links
+
+    h100 = get_device("h100")
+    per_comm, net = links(h100).nccl_bytes, links(h100).nccl_net_bytes
+    cfg = Config(micro_batch=4, precision="bf16")
+    for fields, nccl in [(dict(gpus=8, data_parallel="ddp"), per_comm), (dict(gpus=8, data_parallel="fsdp"), per_comm),
+                         (dict(gpus=16, data_parallel="fsdp", gpus_per_node=8), per_comm + net),
+                         (dict(gpus=16, data_parallel="hsdp", gpus_per_node=8), 3 * per_comm + 2 * net)]:
+        est = memfit.estimate(WORKLOAD, cfg.replace(**fields), device="h100")
+        assert est.nccl_bytes == nccl and est.device_peak_bytes == est.peak_reserved_bytes + h100.context_bytes + nccl
+    one = memfit.estimate(WORKLOAD, cfg, device="h100")
+    assert one.nccl_bytes is None and one.device_peak_bytes == one.peak_reserved_bytes + h100.context_bytes
+    assert 400 * MiB < per_comm < 2048 * MiB
+    v100 = memfit.estimate(WORKLOAD, Config(micro_batch=4, gpus=2, data_parallel="ddp"), device="v100")
+    assert v100.nccl_bytes is None and any("not counted: NCCL" in n for n in v100.notes)
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(gpus=4), "a layout"),
     (dict(gpus=1, data_parallel="fsdp"), "'none' for one GPU"),
@@ -210,7 +230,7 @@ def test_collectives_are_priced_in_nccl_bus_bandwidth_terms():
         ops.kind.append("comm" if name != "mm" else "f32")
         ops.phase.append(phase)
         ops.name.append(name)
-    comm = Comm(Links(within_node=100e9, across_nodes=10e9, latency=5e-6), gpus=16, shard=8, per_node=8)
+    comm = Comm(Links(within_node=100e9, across_nodes=10e9, nccl_bytes=0, latency=5e-6), gpus=16, shard=8, per_node=8)
     each = comm.op_seconds(OpTable(ops)).tolist()
     inside = 3 * 5e-6 + 2**30 * 7 / 8 / 100e9
     assert each == pytest.approx([inside, inside, 5e-6 + 2**30 * 2 * 1 / 2 / 10e9])

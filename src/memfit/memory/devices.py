@@ -167,16 +167,28 @@ class Links:
     twice that). Effective per-GPU figures, not data-sheet totals (those count both directions): PyTorch
     inductor's `comm_analysis.py` uses NVLink ~370 GB/s on Hopper, ~240 on Ampere, PCIe ~24 within a node;
     InfiniBand NDR (400 Gb/s per GPU) ~50 GB/s, HDR ~25. `latency` is per ring step (a few microseconds
-    for NCCL's simple protocol). Assumptions until measured on the machines themselves."""
+    for NCCL's simple protocol). Assumptions until measured on the machines themselves.
+
+    `nccl_bytes`: device memory one NCCL communicator holds outside PyTorch's allocator once it has run a
+    collective (its channels' buffers; it grows with the channels NCCL opens for the link's bandwidth):
+    688 MiB per communicator of more than two A100s over NVLink, measured with PyTorch (NVIDIA/nccl#964);
+    about 1.1 GiB on H100 with NVLink SHARP (NVLS) buffers (nccl#864: ~1.6 GB for one communicator, CUDA
+    context included; NCCL_NVLS_ENABLE=0 gives most of it back); 484 MiB on a PCIe card (RTX 3090, NCCL
+    2.28, nccl#2366). `nccl_net_bytes`: the network proxy's shared buffer a communicator adds once it spans
+    nodes (512 MiB, nccl#2363)."""
     within_node: float  # bytes/s
     across_nodes: float  # bytes/s
+    nccl_bytes: int
     latency: float = 5e-6  # seconds per ring step
     node_gpus: int = 8  # the most GPUs of this kind one node holds (HGX / DGX boards and PCIe servers: 8)
+    nccl_net_bytes: int = 512 * MiB
 
 
-_LINKS = {"h100": Links(370e9, 50e9), "h200": Links(370e9, 50e9), "h100-pcie": Links(24e9, 50e9),
-          "a100-80gb": Links(240e9, 25e9), "a100-40gb": Links(240e9, 25e9)}
-_PCIE_LINKS = Links(24e9, 12.5e9)  # consumer and PCIe datacenter cards: PCIe peer copies, 100 GbE across
+_LINKS = {"h100": Links(370e9, 50e9, 1126 * MiB), "h200": Links(370e9, 50e9, 1126 * MiB),
+          "h100-pcie": Links(24e9, 50e9, 484 * MiB),
+          "a100-80gb": Links(240e9, 25e9, 688 * MiB), "a100-40gb": Links(240e9, 25e9, 688 * MiB)}
+# consumer and PCIe datacenter cards: PCIe peer copies, 100 GbE across
+_PCIE_LINKS = Links(24e9, 12.5e9, 484 * MiB)
 
 
 def links(dev: Device) -> Links | None:
@@ -185,6 +197,32 @@ def links(dev: Device) -> Links | None:
     if dev.kind != "cuda" or dev.name.startswith("v100"):
         return None
     return _LINKS.get(dev.name, _PCIE_LINKS)
+
+
+def nccl_communicators(dev: Device, gpus: int, layout: str, gpus_per_node: int | None) -> tuple[int, int]:
+    """The NCCL communicators one rank holds for a layout, and how many of them span nodes: one for the
+    whole world (ddp and fsdp all-reduce, gather and reduce in the default group, which a 1-D device mesh
+    over every rank reuses); hsdp adds its 2-D mesh's two groups, the replicas across nodes and the shard
+    group within one. NCCL creates each at its first collective; every layout makes one in the default group
+    (the loss is all-reduced there)."""
+    if gpus == 1:
+        return 0, 0
+    speeds = links(dev)
+    per_node = gpus_per_node or min(gpus, speeds.node_gpus if speeds else 8)
+    spans = gpus > per_node
+    if layout == "hsdp":
+        return 3, 2 * spans  # the world and the replicas span nodes; the shard group is one node
+    return 1, int(spans)
+
+
+def nccl_bytes(dev: Device, gpus: int, layout: str, gpus_per_node: int | None) -> int | None:
+    """Device memory NCCL holds on each rank outside PyTorch's allocator (Links.nccl_bytes per communicator,
+    and the network buffer of each that spans nodes); None where the catalogue has no figure (V100)."""
+    speeds = links(dev)
+    count, spanning = nccl_communicators(dev, gpus, layout, gpus_per_node)
+    if count and speeds is None:
+        return None
+    return count * speeds.nccl_bytes + spanning * speeds.nccl_net_bytes if count else 0
 
 
 def check_node(dev: Device, gpus_per_node: int | None) -> None:

@@ -22,7 +22,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
-from memfit.memory.devices import Device, check_node, defaults_for, get_device
+from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
@@ -71,7 +71,8 @@ class Estimate:
     device_total_bytes: int | None = None
     peak_allocated_bytes: int | None = None   # CUDA: predicted torch.cuda.max_memory_allocated()
     peak_reserved_bytes: int | None = None    # CUDA: predicted torch.cuda.max_memory_reserved()
-    device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context)
+    device_peak_bytes: int | None = None      # CUDA: what nvidia-smi would show (reserved + context + NCCL)
+    nccl_bytes: int | None = None             # CUDA across ranks: NCCL's communicators, outside the allocator
     host_peak_bytes: int | None = None        # GPU targets: peak host memory used by offloading
     moved_bytes: int = 0                      # bytes copied host <-> device by offloading in one step
     phase_peaks: dict = dataclasses.field(default_factory=dict)  # Phase -> highest live bytes in it
@@ -207,6 +208,7 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
     total = sum(n for address, n in storages.items() if address not in host)
     if dev.kind == "cuda":
         total += dev.context_bytes + dev.cublas_workspace_bytes
+        total += nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node) or 0
     return total
 
 
@@ -261,10 +263,9 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             notes.append(f"per rank: rank 0 of {config.gpus} ({how}), traced with a fake process group" +
                          ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
                           if config.precision == "bf16" and config.fsdp else ""))
-            if cuda_target:
-                notes.append("not counted yet: NCCL communicator buffers (outside PyTorch's allocator)" +
-                             (" and the separate streams FSDP2 gathers and reduces on (the allocator is modelled "
-                              "as one)" if config.fsdp else ""))
+            if cuda_target and config.fsdp:
+                notes.append("not modelled yet: the separate streams FSDP2 gathers and reduces on (the caching "
+                             "allocator is modelled as one stream's)")
             else:
                 notes.append("not counted: what gloo allocates on its own threads (an all-gather's output-sized "
                              "buffer while it runs; after an all-reduce, at times a bucket-sized one held to the "
@@ -356,7 +357,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)
     if cuda_target:
-        _add_cuda_figures(est, tracker, dev)
+        _add_cuda_figures(est, tracker, dev, step.config)
     return Probe(est, recorder.trace)
 
 
@@ -463,14 +464,25 @@ def _timeline(tracker: LiveBytes, labels: dict[int, Category], points: int = 150
     return out
 
 
-def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device) -> None:
+def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device, config: Config) -> None:
     """Replay the trace through the caching-allocator model. cuBLAS keeps a workspace in PyTorch's pool
-    from the first matmul on, and the CUDA context sits outside the pool altogether."""
+    from the first matmul on; the CUDA context and NCCL's communicators sit outside the pool altogether."""
     events = [("cublas-workspace", dev.cublas_workspace_bytes)] + tracker.events
     est.peak_allocated_bytes, est.peak_reserved_bytes = allocator.simulate(events)
     est.device_peak_bytes = est.peak_reserved_bytes + dev.context_bytes
     est.notes.append(f"CUDA context and library handles assumed {dev.context_bytes / 2**20:.0f} MiB "
                      f"(catalogue figure for {dev.name}, outside PyTorch's allocator)")
+    if config.gpus == 1:
+        return
+    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node)
+    if nccl is None:
+        est.notes.append(f"not counted: NCCL's communicator buffers (no catalogue figure for {dev.name})")
+        return
+    est.device_peak_bytes += nccl
+    est.nccl_bytes = nccl
+    count, spanning = nccl_communicators(dev, config.gpus, config.data_parallel, config.gpus_per_node)
+    est.notes.append(f"NCCL assumed {nccl / 2**20:,.0f} MiB outside PyTorch's allocator: {count} communicator(s)"
+                     + (f", {spanning} across nodes" if spanning else "") + " (catalogue figures, devices.Links)")
 
 
 # ------------------------------------------------------------------------------------------- fallback
