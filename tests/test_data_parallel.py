@@ -305,6 +305,7 @@ def test_gpu_counts_and_a_plan_per_count():
     assert [r["gpus"] for r in rows] == [1, 2, 16]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["plan"].config.gpus == 2
     assert rows[2]["plan"] is None and "does not split" in rows[2]["why"]
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--device", "h100", "--plot", "one.png"]) == 2
 
 
 OOM_ON_RANK_1 = '''

@@ -68,3 +68,21 @@ def test_loss_needs_a_finite_value(tmp_path):
 
 def test_ema_is_bias_corrected():
     assert plots._ema([4.0, 4.0, 4.0], 0.9) == pytest.approx([4.0, 4.0, 4.0])
+
+
+def test_scaling_png_from_plans_per_count(tmp_path):
+    """`memfit plan --gpus A-B --plot`: throughput and efficiency per count, counts that do not fit marked;
+    with none fitting there is nothing to draw, and it says so."""
+    from types import SimpleNamespace
+
+    from memfit import Config
+    from memfit.errors import EstimateError
+
+    def row(n, speed, efficiency):
+        cfg = Config(gpus=n, data_parallel="fsdp") if n > 1 else Config()
+        return dict(gpus=n, why=None, efficiency=efficiency, plan=SimpleNamespace(samples_per_second=speed, config=cfg))
+
+    rows = [dict(gpus=1, plan=None, why="nothing fits"), row(2, 100.0, 1.0), row(4, 190.0, 0.95), row(8, 300.0, 0.75)]
+    _check_png(plots.plot_scaling(rows, tmp_path / "scaling.png"), *LOSS_PX)
+    with pytest.raises(EstimateError, match="no GPU count"):
+        plots.plot_scaling(rows[:1], tmp_path / "none.png")

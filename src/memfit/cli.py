@@ -208,7 +208,13 @@ def cmd_plan(args) -> int:
             from rich.console import Console
             from memfit.report.tables import counts_view
             Console().print(counts_view(rows, workload.name, args.global_batch, device.name))
+        if args.plot:
+            from memfit.report.plots import plot_scaling
+            plot_scaling(rows, args.plot, title=f"{workload.name}, global batch {args.global_batch} on {device.name}: "
+                                                "predicted scaling")
         return 0
+    if args.plot:
+        raise PlanError("--plot draws a range of GPU counts (--gpus 8-512)")
     result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=counts[0],
                   data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, **fixed)
     verified = None
@@ -410,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node, hsdp's shard group (default: 8)")
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
     p.add_argument("--verify-steps", type=int, default=3, help="real steps --verify times (default: %(default)s)")
+    p.add_argument("--plot", metavar="PNG", help="with a range of --gpus: throughput and scaling efficiency by count")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_plan)
 

@@ -1,4 +1,4 @@
-"""PNG charts of an estimate's memory timeline and of a run's loss curve.
+"""PNG charts of an estimate's memory timeline, a run's loss curve and a plan's scaling over GPU counts.
 
 Pure functions of the data, drawn with matplotlib's Agg canvas on a private `Figure` (no pyplot, so no
 display is needed and no global figure state or backend is touched). Each function writes one PNG of a
@@ -20,7 +20,7 @@ from memfit.errors import EstimateError, RunError
 from memfit.units import fmt_bytes
 
 SIZE = (11.0, 5.5)        # inches: the memory timeline, 1320 x 660 pixels at DPI
-LOSS_SIZE = (9.0, 5.0)    # the loss curve, 1080 x 600 pixels
+LOSS_SIZE = (9.0, 5.0)    # the loss curve, 1080 x 600 pixels; the scaling chart too
 DPI = 120
 
 _LABELS = {
@@ -263,4 +263,47 @@ def plot_loss(records: Iterable[dict], path, title: str | None = None, smoothing
         ax.legend(handles, labels, loc="upper right", framealpha=0.9)
         last = f"last {loss[-1]:.4g}, EMA {smooth[-1]:.4g}" if n >= 2 and smoothing > 0 else f"last {loss[-1]:.4g}"
         ax.set_title(title or f"Training loss — {n} step{'s' if n != 1 else ''}, {last}", loc="left")
+        return _save(fig, path)
+
+
+def plot_scaling(rows: list[dict], path, title: str | None = None) -> Path:
+    """`plan_counts`' rows as two panels over the GPU count (log 2 axis): predicted samples/s of the fastest
+    plan at each count against linear scaling from the smallest count that fits, and the scaling efficiency
+    (samples/s per GPU against that count's), each point labelled with its layout. Counts where nothing
+    fits are marked on the axis."""
+    from matplotlib import rc_context
+
+    fits = [r for r in rows if r["plan"] is not None]
+    if not fits:
+        raise EstimateError("plot_scaling: no GPU count in the range fits")
+    n = [r["gpus"] for r in fits]
+    speed = [r["plan"].samples_per_second for r in fits]
+    with rc_context(_RC):
+        fig = _new_figure(LOSS_SIZE)
+        top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+        top.plot(n, [speed[0] * g / n[0] for g in n], color="#999999", linestyle="--", linewidth=1.2,
+                 label=f"linear from {n[0]} GPU" + ("s" if n[0] > 1 else ""))
+        top.plot(n, speed, color="#0072B2", marker="o", linewidth=2, label="fastest plan (predicted)")
+        for g, v, r in zip(n, speed, fits):
+            top.annotate(r["plan"].config.data_parallel if g > 1 else "1 GPU", (g, v), textcoords="offset points",
+                         xytext=(0, 7), ha="center", fontsize=8.5, bbox=_LABEL_BOX)
+        top.set_ylabel("samples/s")
+        top.legend(loc="upper left", frameon=False)
+        bottom.plot(n, [100 * r["efficiency"] for r in fits], color="#D55E00", marker="o", linewidth=2)
+        bottom.set_ylabel("scaling efficiency (%)")
+        bottom.set_ylim(0, max(105, 5 + max(100 * r["efficiency"] for r in fits)))
+        bottom.set_xlabel("GPUs")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([r["gpus"] for r in rows], [str(r["gpus"]) for r in rows])
+            ax.minorticks_off()
+            ax.grid(color="#cccccc", linewidth=0.6, alpha=0.7)
+            ax.set_axisbelow(True)
+            ax.spines["top"].set_visible(False)
+            ax.spines["right"].set_visible(False)
+        for r in rows:
+            if r["plan"] is None:
+                bottom.annotate("does not fit", (r["gpus"], 0), textcoords="offset points", xytext=(0, 4),
+                                ha="center", fontsize=8, color="#777777", rotation=90)
+        top.set_title(title or "throughput and scaling by GPU count")
         return _save(fig, path)
