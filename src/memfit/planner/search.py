@@ -22,7 +22,7 @@ import torch
 
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
-from memfit.memory.devices import Device, check_node, defaults_for, get_device
+from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line, probe,
                                     probe_pair, state_bytes)
 from memfit.memory.fake import FakeBuild, new_fake_mode
@@ -54,11 +54,12 @@ class Plan:
     peak_bytes: int
     step_seconds: float
     samples_per_second: float
-    estimate: Estimate
+    estimate: Estimate | None  # the chosen configuration's full estimate (None when not confirmed)
     alternatives: list        # [Candidate], fastest first, the chosen one excluded
     families: list            # [(family, verdict)] why each family was or was not chosen
     profile_source: str
     notes: list
+    confirmed: bool = True    # False: peak and step time predicted from the probes, no full estimate made
 
     def to_dict(self) -> dict:
         return dict(config=self.config.to_dict(), device=self.device, budget_bytes=self.budget_bytes,
@@ -66,8 +67,8 @@ class Plan:
                     samples_per_second=self.samples_per_second, profile=self.profile_source, notes=self.notes,
                     alternatives=[dict(config=c.config.to_dict(), peak_bytes=c.peak_bytes,
                                        step_seconds=c.step_seconds, confirmed=c.confirmed) for c in self.alternatives],
-                    families=[dict(family=f, verdict=v) for f, v in self.families],
-                    estimate=self.estimate.to_dict())
+                    families=[dict(family=f, verdict=v) for f, v in self.families], confirmed=self.confirmed,
+                    estimate=self.estimate.to_dict() if self.estimate is not None else None)
 
 
 def resolve_budget(budget, dev: Device) -> int:
@@ -107,6 +108,11 @@ class _Family:
         """Repeated blocks in the probed model."""
         return len(self.probes[0].estimate.blocks)
 
+    def states(self) -> int:
+        """Parameters and optimizer state at rest (what the shards hold besides gradients)."""
+        e2 = self.probes[1].estimate
+        return e2.model_state_bytes[Category.PARAMETERS] + e2.model_state_bytes[Category.OPTIMIZER_STATE]
+
     def phases(self, m: int, accum: int) -> dict:
         """Live bytes at each phase's peak, at micro-batch m (the global batch's other inputs left out)."""
         e1, e2 = (p.estimate for p in self.probes)
@@ -122,8 +128,11 @@ class _Family:
         if cpu:  # on a CPU the whole global batch is device memory, not just one micro-batch
             live += self.line.per_sample(e1.breakdown[Category.INPUTS], e2.breakdown[Category.INPUTS]) * m * (accum - 1)
             return int(live)
-        ratio = e2.peak_reserved_bytes / max(e2.peak_bytes, 1)  # allocator rounding and caching
-        return int(live * ratio + (e2.device_peak_bytes - e2.peak_reserved_bytes))
+        # what a GPU holds beyond live tensors (allocator rounding and caching, context, NCCL), added as the
+        # larger probe has it: it grows far slower than the live bytes (gpt-tiny x 24 blocks on 4 H100s, no
+        # checkpointing, micro-batch 64: +1.2% against the full estimate; scaled by the probe's reserved/live
+        # ratio instead, +35%; a 70B's copies of 8 blocks, scaled, put 64 H100s at 57 GiB where it holds 50)
+        return int(live + e2.device_peak_bytes - e2.peak_bytes)
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         o1, o2 = (p.ops for p in self.probes)
@@ -165,23 +174,67 @@ class _DeepFamily:
     def depth(self) -> int:
         return self.full_depth
 
+    def states(self) -> int:
+        return round(self._extend(self.short.states(), self.tall.states()))
+
     def _extend(self, short: float, tall: float) -> float:
         a, b = self.short.depth, self.tall.depth
         return short + (self.full_depth - a) * (tall - short) / (b - a)
 
-    def memory(self, m: int, accum: int, cpu: bool) -> int:
+    def phases(self, m: int, accum: int) -> dict:
         short, tall = self.short.phases(m, accum), self.tall.phases(m, accum)
-        phases = {p: self._extend(short[p], tall[p]) for p in tall}
-        if cpu:
-            return self.tall.memory(m, accum, cpu, phases=phases)
-        # what a GPU holds beyond live tensors (allocator caching, context, NCCL) grows far slower than the
-        # stack: the taller copy's excess, added (a 70B on 64 H100s: 48.5 GiB predicted, 49.8 traced whole;
-        # scaled by the copy's reserved/live ratio instead, 57 GiB)
-        e2 = self.tall.probes[1].estimate
-        return int(max(phases.values()) + e2.device_peak_bytes - e2.peak_bytes)
+        return {p: self._extend(short[p], tall[p]) for p in tall}
+
+    def memory(self, m: int, accum: int, cpu: bool, phases: dict | None = None) -> int:
+        return self.tall.memory(m, accum, cpu, phases=phases or self.phases(m, accum))
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         return self._extend(self.short.seconds(profile, m, accum, comm), self.tall.seconds(profile, m, accum, comm))
+
+
+@dataclasses.dataclass
+class _AtCount:
+    """A family traced at one GPU count, predicted at a larger one (plan_counts traces each family at the
+    first count it may fit at). Between counts only the shards change, by the ratio r of the two counts'
+    state floors (1/N for fsdp with its padding; 1 for hsdp's node-sized shard group and ddp's replicas):
+    the sharded parameters and optimizer state shrink by r in every phase, and the optimizer step's own
+    temporaries with them. Gradient shards are kept at the traced count's size outside the optimizer step
+    (how many exist at a phase's peak is not known): live bytes over by at most the gradient shards' shrink.
+    (gpt-tiny widened to 512 on 4 and 16 H100s, predicted from 2: -0.5% and +1.0% of full estimates.)
+    Activations, gathered units and the buckets reduced are whole-size at any count; NCCL's communicators
+    follow the count's nodes; collectives are priced at the new count by the Comm the planner passes."""
+    family: object      # _Family | _DeepFamily, traced at `traced_at`
+    traced_at: Config
+    base: Config        # this count's
+    floors: tuple       # (live state floor at traced_at, at base): the state floors less what lies outside
+    nccl: int           # NCCL bytes at base less at traced_at
+
+    rejected = property(lambda self: self.family.rejected)
+    sizes = property(lambda self: self.family.sizes)
+    depth = property(lambda self: self.family.depth)
+
+    def phases(self, m: int, accum: int) -> dict:
+        then, now = self.floors
+        r = now / max(then, 1)
+        traced = self.family.phases(m, accum)
+        phases = {p: v + self.family.states() * (r - 1) for p, v in traced.items()}
+        phases[Phase.OPTIMIZER] = now + (traced[Phase.OPTIMIZER] - then) * r
+        return phases
+
+    def memory(self, m: int, accum: int, cpu: bool) -> int:
+        return self.family.memory(m, accum, cpu, phases=self.phases(m, accum)) + (0 if cpu else self.nccl)
+
+    def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
+        return self.family.seconds(profile, m, accum, comm)
+
+
+def _outside(dev: Device, cfg: Config) -> int:
+    """What a GPU state floor counts outside live tensors (state_bytes): CUDA context, cuBLAS workspace,
+    NCCL."""
+    if dev.kind != "cuda":
+        return 0
+    return dev.context_bytes + dev.cublas_workspace_bytes + (nccl_bytes(dev, cfg.gpus, cfg.data_parallel,
+                                                                        cfg.gpus_per_node) or 0)
 
 
 DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
@@ -326,10 +379,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
          profile: Profile | None = None, confirm: int = 2, gpus: int = 1, data_parallel: str | None = None,
-         gpus_per_node: int | None = None) -> Plan:
+         gpus_per_node: int | None = None, traced: dict | None = None) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
-    searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node)."""
+    searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node).
+    `confirm`: how many of the fastest candidates get a full estimate (0: the best prediction is returned
+    unconfirmed). `traced`: families traced at other GPU counts, reused and filled in (plan_counts)."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
@@ -389,11 +444,22 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             smallest_need[_family_name(b)] = floor
             verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
                                               f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
-    traced = _probe_families(workload, bases, dev, depth)
+    reused = {}
+    for b in bases if traced is not None and _state_key(b) in floors else []:
+        hit = traced.get(_count_free(b))
+        if hit is not None:
+            fam, at, floor = hit
+            reused[b] = _AtCount(fam, at, b, (floor - _outside(dev, at), floors[_state_key(b)] - _outside(dev, b)),
+                                 _outside(dev, b) - _outside(dev, at))
+    fresh = [b for b in bases if b not in reused]
+    results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth)))
     failed = []
-    for base, (kind, value) in zip(bases, traced):
+    for base in bases:
+        kind, value = ("ok", reused[base]) if base in reused else results[base]
         if kind == "ok":
             families[base] = value
+            if traced is not None and base not in reused and _state_key(base) in floors:
+                traced[_count_free(base)] = (value, base, floors[_state_key(base)])
         elif isinstance(value, ConfigError):
             verdicts.append((_family_name(base), f"cannot apply: {value}"))
         else:  # the workload's own code, an op fake tensors lack, a crash: plan with the other families
@@ -455,6 +521,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             else:
                 verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
         confirmed.sort(key=lambda c: c.step_seconds)
+    if confirm == 0 and candidates:  # the best prediction, said to be one
+        confirmed = candidates[:1]
     if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
         raise raised[0]
     if not confirmed:
@@ -487,7 +555,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     return Plan(config=best.config, device=dev.name, budget_bytes=budget_bytes, usable_bytes=usable,
                 peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
                 samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
-                alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes)
+                alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes,
+                confirmed=best.confirmed)
 
 
 def gpu_counts(text: str) -> list[int]:
@@ -504,21 +573,36 @@ def gpu_counts(text: str) -> list[int]:
 
 def plan_counts(workload: Workload, global_batch: int, counts: list[int], **options) -> list[dict]:
     """`plan` at each GPU count: per count the plan, or why nothing fits; throughput and each count's
-    scaling efficiency (samples/s per GPU against the smallest count that fits)."""
-    rows = []
+    scaling efficiency (samples/s per GPU against the smallest count that fits). Each family is traced at
+    the first count it may fit at and predicted at the others (_AtCount); the fewest GPUs that fit are
+    confirmed by full estimates, the other counts' plans are predictions (Plan.confirmed)."""
+    rows, traced = [], {}
     for n in counts:
         if global_batch % n:
             rows.append(dict(gpus=n, plan=None, why=f"global batch {global_batch} does not split over {n} GPUs"))
             continue
         try:
-            rows.append(dict(gpus=n, plan=plan(workload, global_batch, gpus=n, **options), why=None))
+            rows.append(dict(gpus=n, plan=plan(workload, global_batch, gpus=n, confirm=0, traced=traced, **options),
+                             why=None))
         except PlanError as e:
             rows.append(dict(gpus=n, plan=None, why=str(e)))
+    for r in rows:  # the fewest GPUs that fit: confirmed by full estimates (predicted elsewhere)
+        if r["plan"] is not None:
+            try:
+                r["plan"] = plan(workload, global_batch, gpus=r["gpus"], traced=traced, **options)
+                break
+            except PlanError as e:
+                r["plan"], r["why"] = None, str(e)
     fits = [r for r in rows if r["plan"] is not None]
     for r in fits:
         base = fits[0]
         r["efficiency"] = (r["plan"].samples_per_second / r["gpus"]) / (base["plan"].samples_per_second / base["gpus"])
     return rows
+
+
+def _count_free(cfg: Config) -> tuple:
+    """A family whatever the GPU count: layout, precision, checkpointing, offload, hsdp's node."""
+    return _family_name(cfg), cfg.gpus_per_node
 
 
 def _state_key(cfg: Config) -> tuple:

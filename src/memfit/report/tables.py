@@ -160,9 +160,11 @@ def counts_view(rows: list[dict], workload: str, global_batch: int, device: str)
         if p is None:
             table.add_row(str(r["gpus"]), Text(r["why"], style="dim"), "", "", "", "")
         else:
-            table.add_row(str(r["gpus"]), p.config.describe(), fmt_bytes(p.peak_bytes), _fmt_seconds(p.step_seconds),
+            table.add_row(str(r["gpus"]), p.config.describe(),
+                          fmt_bytes(p.peak_bytes) + (" ✓" if p.confirmed else " ~"), _fmt_seconds(p.step_seconds),
                           fmt_number(p.samples_per_second), f"{r['efficiency']:.0%}")
-    note = Text("scaling: samples/s per GPU against the smallest count that fits; step times from the catalogue's "
+    note = Text("✓ a full estimate of that configuration; ~ predicted from the probes traced at another count. "
+                "scaling: samples/s per GPU against the smallest count that fits; step times from the catalogue's "
                 "compute and link figures (not measured on this hardware)", style="dim")
     return Group(head, table, note)
 
