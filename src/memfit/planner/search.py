@@ -108,10 +108,14 @@ class _Family:
         """Repeated blocks in the probed model."""
         return len(self.probes[0].estimate.blocks)
 
-    def states(self) -> int:
-        """Parameters and optimizer state at rest (what the shards hold besides gradients)."""
+    def sharded(self, phase: Phase, accum: int) -> int:
+        """Bytes at `phase`'s peak that the shards hold: parameters, optimizer state, and the gradients live
+        there (as traced at the step's peak; all of them in forward during accumulation; else none)."""
         e2 = self.probes[1].estimate
-        return e2.model_state_bytes[Category.PARAMETERS] + e2.model_state_bytes[Category.OPTIMIZER_STATE]
+        rest = e2.model_state_bytes
+        grads = (rest[Category.GRADIENTS] if phase == Phase.FORWARD and accum > 1 else
+                 e2.breakdown[Category.GRADIENTS] if phase == e2.peak_phase else 0)
+        return rest[Category.PARAMETERS] + rest[Category.OPTIMIZER_STATE] + grads
 
     def phases(self, m: int, accum: int) -> dict:
         """Live bytes at each phase's peak, at micro-batch m (the global batch's other inputs left out)."""
@@ -174,8 +178,8 @@ class _DeepFamily:
     def depth(self) -> int:
         return self.full_depth
 
-    def states(self) -> int:
-        return round(self._extend(self.short.states(), self.tall.states()))
+    def sharded(self, phase: Phase, accum: int) -> int:
+        return round(self._extend(self.short.sharded(phase, accum), self.tall.sharded(phase, accum)))
 
     def _extend(self, short: float, tall: float) -> float:
         a, b = self.short.depth, self.tall.depth
@@ -197,10 +201,9 @@ class _AtCount:
     """A family traced at one GPU count, predicted at a larger one (plan_counts traces each family at the
     first count it may fit at). Between counts only the shards change, by the ratio r of the two counts'
     state floors (1/N for fsdp with its padding; 1 for hsdp's node-sized shard group and ddp's replicas):
-    the sharded parameters and optimizer state shrink by r in every phase, and the optimizer step's own
-    temporaries with them. Gradient shards are kept at the traced count's size outside the optimizer step
-    (how many exist at a phase's peak is not known): live bytes over by at most the gradient shards' shrink.
-    (gpt-tiny widened to 512 on 4 and 16 H100s, predicted from 2: -0.5% and +1.0% of full estimates.)
+    the sharded parameters, optimizer state and the gradient shards live at a phase's peak shrink by r (the
+    gradients as traced at the step's peak, all of them in forward during accumulation), and the optimizer
+    step's own temporaries with them.
     Activations, gathered units and the buckets reduced are whole-size at any count; NCCL's communicators
     follow the count's nodes; collectives are priced at the new count by the Comm the planner passes."""
     family: object      # _Family | _DeepFamily, traced at `traced_at`
@@ -217,7 +220,7 @@ class _AtCount:
         then, now = self.floors
         r = now / max(then, 1)
         traced = self.family.phases(m, accum)
-        phases = {p: v + self.family.states() * (r - 1) for p, v in traced.items()}
+        phases = {p: v + self.family.sharded(p, accum) * (r - 1) for p, v in traced.items()}
         phases[Phase.OPTIMIZER] = now + (traced[Phase.OPTIMIZER] - then) * r
         return phases
 
