@@ -467,23 +467,23 @@ def test_op_alignment_is_a_longest_common_subsequence():
 
 
 def test_a_deep_model_is_predicted_from_two_shallow_copies():
-    """24 identical blocks: copies of 4 and 8 blocks, their phases extended to 24, predict what the whole
-    model's probes predict (CPU: to the byte; an FSDP GPU target: within 1%), and its step time. Blocks that
-    differ are not copied."""
+    """12 identical blocks (the planner copies from 24 on; the line is the same): copies of 4 and 8 blocks,
+    their phases extended to 12, predict what the whole model's probes predict (CPU: to the byte; an FSDP GPU
+    target: within 1%), and its step time. Blocks that differ are not copied."""
     from memfit.memory.estimate import probe_pair
     from memfit.memory.fake import FakeBuild, new_fake_mode
     from memfit.planner.search import DEPTHS, _DeepFamily, _Family, shallow, stack_depth
 
-    wl = builtin("gpt-tiny", layers=24)
+    wl = builtin("gpt-tiny", layers=12)
     with new_fake_mode() as mode, FakeBuild(mode):
-        assert stack_depth(wl.model()) == 24 and stack_depth(shallow(wl, 4).model()) == 4
+        assert stack_depth(wl.model()) == 12 and stack_depth(shallow(wl, 4).model()) == 4
     uneven = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]))
     assert stack_depth(uneven) is None
     for device, base in [("cpu", Config(activation_checkpoint="all")),
                          ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]:
         dev, cpu = get_device(device), device == "cpu"
         whole = _Family(base, probe_pair(wl, base, dev)[0])
-        deep = _DeepFamily(*(_Family(base, probe_pair(shallow(wl, k), base, dev)[0]) for k in DEPTHS), 24)
+        deep = _DeepFamily(*(_Family(base, probe_pair(shallow(wl, k), base, dev)[0]) for k in DEPTHS), 12)
         for m in (1, 8, 64):
             assert deep.memory(m, 2, cpu) == pytest.approx(whole.memory(m, 2, cpu), rel=0 if cpu else 0.01)
             assert deep.seconds(FLAT, m, 2) == pytest.approx(whole.seconds(FLAT, m, 2), rel=1e-6)
@@ -497,9 +497,9 @@ def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
     from memfit.planner.search import plan_counts
 
     wl = builtin("gpt-tiny", d_model=512, layers=4)
-    rows = plan_counts(wl, 64, [2, 4, 16], device="h100", precision="bf16", activation_checkpoint="all",
+    rows = plan_counts(wl, 64, [2, 16], device="h100", precision="bf16", activation_checkpoint="all",
                        data_parallel="fsdp")
-    assert [r["plan"].confirmed for r in rows] == [True, False, False]
+    assert [r["plan"].confirmed for r in rows] == [True, False]
     for r in rows[1:]:
         p = r["plan"]
         full = memfit.estimate(wl, p.config, device="h100")
