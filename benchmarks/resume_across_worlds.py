@@ -23,7 +23,8 @@ def losses(out: Path) -> list[tuple[int, float, int]]:
 def run() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out, one = Path(tmp) / "worlds", Path(tmp) / "one"
-        for extra in (["--gpus", "4", "--steps", "2"], ["--gpus", "2", "--data-parallel", "ddp", "--steps", "4", "--resume"],
+        for extra in (["--gpus", "4", "--steps", "2"],
+                      ["--gpus", "2", "--data-parallel", "ddp", "--steps", "4", "--resume"],
                       ["--steps", "6", "--resume"]):
             assert main(["train", *COMMON, *extra, "--checkpoint-every", "2", "--out", str(out)]) == 0
         assert main(["train", *COMMON, "--steps", "6", "--out", str(one)]) == 0

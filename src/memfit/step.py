@@ -120,7 +120,8 @@ class TrainStep:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything the step keeps between steps: parameters, buffers, gradients, optimizer and loss-scale
-        state, offloaded masters, a traced DDP's gradient buckets. A live-bytes counter started between steps begins from these."""
+        state, offloaded masters, a traced DDP's gradient buckets. A live-bytes counter started between steps
+        begins from these."""
         out = list(self.model.parameters()) + list(self.model.buffers())
         out += [p.grad for p in self.model.parameters() if p.grad is not None] + self.host_tensors()
         out += data_parallel_buffers(self.model)

@@ -17,11 +17,11 @@ from torch.utils._pytree import tree_leaves
 from memfit.errors import EstimateError
 
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
-           "ddp_bucket_assignment", "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
-           "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors", "held_by",
-           "make_op_outputs_swappable", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
-           "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves",
-           "trunc_normal_skipped", "unset_fake_temporarily"]
+           "ddp_bucket_assignment", "detach_sharing_version", "fake_constant", "fake_constants_up_to",
+           "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors",
+           "held_by", "make_op_outputs_swappable", "profiler_allocations", "profiler_call_allocations",
+           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key",
+           "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"

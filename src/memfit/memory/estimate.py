@@ -205,11 +205,16 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
         step.prime()
         host = {storage_key(t) for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
-    total = sum(n for address, n in storages.items() if address not in host)
-    if dev.kind == "cuda":
-        total += dev.context_bytes + dev.cublas_workspace_bytes
-        total += nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node) or 0
-    return total
+    return sum(n for address, n in storages.items() if address not in host) + outside_tensors(dev, config)
+
+
+def outside_tensors(dev: Device, config: Config) -> int:
+    """What a state floor counts on a GPU besides live tensors: the CUDA context, cuBLAS's workspace and
+    NCCL's communicators (none on a CPU)."""
+    if dev.kind != "cuda":
+        return 0
+    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node) or 0
+    return dev.context_bytes + dev.cublas_workspace_bytes + nccl
 
 
 # ------------------------------------------------------------------------------------------- the trace

@@ -22,9 +22,9 @@ import torch
 
 from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
-from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes
-from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line, probe,
-                                    probe_pair, state_bytes)
+from memfit.memory.devices import Device, check_node, defaults_for, get_device
+from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line,
+                                    outside_tensors, probe, probe_pair, state_bytes)
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
@@ -229,15 +229,6 @@ class _AtCount:
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         return self.family.seconds(profile, m, accum, comm)
-
-
-def _outside(dev: Device, cfg: Config) -> int:
-    """What a GPU state floor counts outside live tensors (state_bytes): CUDA context, cuBLAS workspace,
-    NCCL."""
-    if dev.kind != "cuda":
-        return 0
-    return dev.context_bytes + dev.cublas_workspace_bytes + (nccl_bytes(dev, cfg.gpus, cfg.data_parallel,
-                                                                        cfg.gpus_per_node) or 0)
 
 
 DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
@@ -452,8 +443,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         hit = traced.get(_count_free(b))
         if hit is not None:
             fam, at, floor = hit
-            reused[b] = _AtCount(fam, at, b, (floor - _outside(dev, at), floors[_state_key(b)] - _outside(dev, b)),
-                                 _outside(dev, b) - _outside(dev, at))
+            then, now = outside_tensors(dev, at), outside_tensors(dev, b)
+            reused[b] = _AtCount(fam, at, b, (floor - then, floors[_state_key(b)] - now), now - then)
     fresh = [b for b in bases if b not in reused]
     results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth)))
     failed = []

@@ -25,6 +25,7 @@ tensors; there `TracedReducer` does to memory what it does (checked against real
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -109,12 +110,12 @@ class TracedReducer:
         params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))[::-1]
         self.world, self.buckets, self.views = world, [], {}
         for members in ([params[i] for i in idx] for idx in ddp_bucket_assignment(params, BUCKET_CAP_BYTES)):
-            flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
-            bucket = [flat, len(members), 0]  # the buffer, its parameters, how many are ready this backward
+            bucket = _Bucket(torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype,
+                                         device=members[0].device), len(members))
             self.buckets.append(bucket)
             offset = 0
             for p in members:
-                self.views[p] = (flat[offset:offset + p.numel()].view_as(p), bucket)
+                self.views[p] = (bucket.flat[offset:offset + p.numel()].view_as(p), bucket)
                 offset += p.numel()
                 p.register_post_accumulate_grad_hook(self._ready)
 
@@ -126,10 +127,17 @@ class TracedReducer:
             else:
                 torch.mul(p.grad, 1.0 / self.world, out=view)
                 p.grad = view
-        bucket[2] += 1
-        if bucket[2] == bucket[1]:
-            bucket[2] = 0
-            dist.all_reduce(bucket[0])
+        bucket.ready += 1
+        if bucket.ready == bucket.size:
+            bucket.ready = 0
+            dist.all_reduce(bucket.flat)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [b[0] for b in self.buckets]
+        return [b.flat for b in self.buckets]
+
+
+@dataclasses.dataclass
+class _Bucket:
+    flat: torch.Tensor  # the gradients of its parameters, end to end
+    size: int           # its parameters
+    ready: int = 0      # of which have their gradient this backward
