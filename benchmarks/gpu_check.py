@@ -53,30 +53,43 @@ TINYLLAMA_CONFIG = dict(model_type="llama", hidden_size=2048, intermediate_size=
                         max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def _case(name, workload, options, micro_batch, precision, quick=False, needs=None, hf_config=None) -> dict:
+def _case(name, workload, options, micro_batch, precision, quick=False, needs=None, hf_config=None, lora=None,
+          snapshot=False, **config) -> dict:
     return dict(name=name, workload=workload, options=options, hf_config=hf_config, needs=needs, quick=quick,
-                config=dict(micro_batch=micro_batch, precision=precision))
+                lora=lora, snapshot=snapshot, config=dict(micro_batch=micro_batch, precision=precision, **config))
+
+
+# BERT-large as published (24 layers, hidden 1024, 16 heads): the fp16-AMP case that CPU autocast's policy
+# put 24% low (issue 11).
+BERT_LARGE_CONFIG = dict(model_type="bert", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                         intermediate_size=4096)
 
 
 def all_cases() -> list[dict]:
     """Most informative first: if the time budget runs out, the tail is what gets skipped."""
-    cases = []
-    for mb in (4, 1, 8):
-        for prec in ("bf16", "fp32"):
-            cases.append(_case(f"gpt-small seq1024 mb{mb} {prec}", "gpt-small", {"seq": 1024}, mb, prec,
-                               quick=(mb == 4)))
-    for mb in (32, 64):
-        for prec in ("fp32", "bf16"):
-            cases.append(_case(f"resnet50 224px mb{mb} {prec}", "resnet", {"image": 224}, mb, prec,
-                               quick=(mb == 32 and prec == "bf16")))
-    cases.append(_case("gpt-1b seq2048 mb2 bf16", "gpt-1b", {"seq": 2048}, 2, "bf16"))
-    cases.append(_case("mlp mb256 fp32", "mlp", {}, 256, "fp32", quick=True))
-    cases.append(_case("mlp mb256 bf16", "mlp", {}, 256, "bf16"))
-    cases.append(_case("hf:llama (small) seq1024 mb8 bf16", "hf:llama", {"seq": 1024}, 8, "bf16",
-                       needs="transformers"))
-    cases.append(_case("hf:tinyllama-1.1b seq2048 mb2 bf16", "hf:<config.json>", {"seq": 2048}, 2, "bf16",
-                       needs="transformers", hf_config=TINYLLAMA_CONFIG))
-    return cases
+    return [
+        _case("gpt-small seq1024 mb4 bf16", "gpt-small", {"seq": 1024}, 4, "bf16", quick=True, snapshot=True),
+        _case("hf:bert-large seq512 mb8 fp16", "hf:<config.json>", {"seq": 512}, 8, "fp16", needs="transformers",
+              hf_config=BERT_LARGE_CONFIG),
+        _case("hf:tinyllama-1.1b seq2048 mb2 bf16", "hf:<config.json>", {"seq": 2048}, 2, "bf16",
+              needs="transformers", hf_config=TINYLLAMA_CONFIG),
+        _case("moe seq1024 mb8 bf16", "moe", {"seq": 1024}, 8, "bf16"),
+        _case("gpt-small seq1024 mb4 fp32", "gpt-small", {"seq": 1024}, 4, "fp32", quick=True),
+        _case("resnet50 224px mb64 bf16", "resnet", {"image": 224}, 64, "bf16", quick=True),
+        _case("hf:tinyllama lora-r16 seq2048 mb4 bf16", "hf:<config.json>", {"seq": 2048}, 4, "bf16",
+              needs="transformers", hf_config=TINYLLAMA_CONFIG, lora={"r": 16}),
+        _case("gpt-small seq1024 mb16 bf16 ckpt-all", "gpt-small", {"seq": 1024}, 16, "bf16",
+              activation_checkpoint="all"),
+        _case("hf:tinyllama seq2048 mb4 bf16 ckpt-selective", "hf:<config.json>", {"seq": 2048}, 4, "bf16",
+              needs="transformers", hf_config=TINYLLAMA_CONFIG, activation_checkpoint="selective"),
+        _case("gpt-small seq1024 mb8 bf16 offload-optimizer", "gpt-small", {"seq": 1024}, 8, "bf16",
+              offload_optimizer=True),
+        _case("gpt-1b seq2048 mb2 bf16", "gpt-1b", {"seq": 2048}, 2, "bf16"),
+        _case("gpt-small seq1024 mb8 fp16", "gpt-small", {"seq": 1024}, 8, "fp16"),
+        _case("resnet50 224px mb32 fp32", "resnet", {"image": 224}, 32, "fp32"),
+        _case("mlp mb256 fp32", "mlp", {}, 256, "fp32"),
+        _case("gpt-7b seq2048 mb2 bf16 ckpt-all", "gpt-7b", {"seq": 2048}, 2, "bf16", activation_checkpoint="all"),
+    ]
 
 
 # ------------------------------------------------------------------------------------------ nvidia-smi
@@ -130,7 +143,11 @@ def _workload(case: dict, tmp: str):
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps(case["hf_config"]))
         spec = f"hf:{path}"
-    return memfit.load_workload(spec, **case["options"])
+    wl = memfit.load_workload(spec, **case["options"])
+    if case.get("lora"):
+        from memfit.workloads import lora
+        wl = lora(wl, **case["lora"])
+    return wl
 
 
 def _pick_gpu(gpus: list[dict] | None, uuid: str | None) -> dict | None:
@@ -146,6 +163,58 @@ def _emit(rec: dict) -> None:
     """One result line on stdout; the parent keeps the last one (so a timed-out case keeps its estimate)."""
     sys.stdout.flush()
     print(RESULT_MARK + json.dumps(rec, default=str), flush=True)
+
+
+ARTIFACTS = os.environ.get("GPU_CHECK_ARTIFACTS")  # snapshots and the calibration go here when set
+SNAPSHOT_ENTRIES = 40_000
+SNAPSHOT_FRAMES = 12
+TIMED_STEPS = 3
+
+
+def _dump_small_snapshot(path: Path, limit: int = 15 * MiB) -> dict:
+    """torch.cuda.memory._dump_snapshot's format, with each stack cut to its innermost frames and, if still
+    too large to bring back, the oldest trace events dropped."""
+    import pickle
+
+    import torch
+
+    snap = torch.cuda.memory._snapshot()
+    for seg in snap.get("segments", []):
+        for block in seg.get("blocks", []):
+            if "frames" in block:
+                block["frames"] = block["frames"][:SNAPSHOT_FRAMES]
+    for trace in snap.get("device_traces", []):
+        for event in trace:
+            if "frames" in event:
+                event["frames"] = event["frames"][:SNAPSHOT_FRAMES]
+    events = sum(map(len, snap.get("device_traces", [])))
+    data = pickle.dumps(snap)
+    while len(data) > limit and snap.get("device_traces"):
+        snap["device_traces"] = [t[len(t) // 2:] for t in snap["device_traces"]]
+        data = pickle.dumps(snap)
+    path.write_bytes(data)
+    return {"file": path.name, "bytes": len(data), "events": events,
+            "events_kept": sum(map(len, snap.get("device_traces", [])))}
+
+
+def probe_step(wl, config, device):
+    from memfit.memory.estimate import probe as memfit_probe
+
+    return memfit_probe(wl, config, device)
+
+
+def _predicted_seconds(p, config) -> dict:
+    """memfit's step time for this trace: with the catalogue's h200 (data-sheet rates, uncalibrated) and with
+    this GPU's own calibration (GPU_CHECK_PROFILE, when the parent measured one)."""
+    from memfit.memory.devices import get_device
+    from memfit.planner.costmodel import Profile, catalogue_profile, step_seconds
+
+    micro = config.grad_accum / min(config.grad_accum, 2)
+    out = {"catalogue_h200": step_seconds(catalogue_profile(get_device("h200")), p.ops, micro)}
+    path = os.environ.get("GPU_CHECK_PROFILE")
+    if path and Path(path).is_file():
+        out["calibrated"] = step_seconds(Profile(**json.loads(Path(path).read_text())), p.ops, micro)
+    return out
 
 
 def run_case(case: dict) -> dict:
@@ -169,14 +238,17 @@ def run_case(case: dict) -> dict:
         # 1. the estimate
         t0 = time.perf_counter()
         try:
-            est = memfit.estimate(wl, config, device="cuda")
+            p = probe_step(wl, config, "cuda")  # memfit.estimate's own trace, with its ops for the step time
+            est = p.estimate
             rec["estimate"] = {k: getattr(est, k) for k in (
                 "method", "peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes",
                 "device_total_bytes", "peak_phase", "breakdown", "model_state_bytes", "parameters", "notes")}
+            rec["estimate_s"] = round(time.perf_counter() - t0, 2)
+            rec["predicted_s"] = _predicted_seconds(p, config)
         except Exception as e:  # noqa: BLE001 - measure anyway
             rec["estimate_error"] = f"{type(e).__name__}: {e}"
             rec["estimate_traceback"] = traceback.format_exc()[-3000:]
-        rec["estimate_s"] = round(time.perf_counter() - t0, 2)
+            rec["estimate_s"] = round(time.perf_counter() - t0, 2)
         _emit(dict(rec, status="measuring"))
 
         # 2. the real step
@@ -190,6 +262,8 @@ def run_case(case: dict) -> dict:
         t0 = time.perf_counter()
         try:
             torch.manual_seed(0)
+            if case.get("snapshot") and ARTIFACTS:
+                torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
             step = memfit.step.TrainStep(wl, config, "cuda")
             step(wl.batch(config.global_batch))  # warm-up: optimizer state, cuBLAS workspace, scaler state
             torch.cuda.synchronize()
@@ -199,6 +273,22 @@ def run_case(case: dict) -> dict:
             torch.cuda.synchronize()
             rec["status"] = "ok"
             m["loss"] = float(loss)
+            if case.get("snapshot") and ARTIFACTS:
+                path = Path(ARTIFACTS) / f"snapshot_{re.sub(r'[^A-Za-z0-9]+', '_', case['name'])}.pickle"
+                m["snapshot"] = _dump_small_snapshot(path)
+                torch.cuda.memory._record_memory_history(enabled=None)
+            # step time: the median of TIMED_STEPS steps on batches made beforehand (the warm-up compiled nothing:
+            # memfit runs eager)
+            batches = [wl.batch(config.global_batch) for _ in range(TIMED_STEPS)]
+            times = []
+            for b in batches:
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                step(b)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t1)
+            m["step_seconds"] = sorted(times)[len(times) // 2]
+            m["step_seconds_all"] = [round(t, 5) for t in times]
         except oom_error as e:
             rec["status"] = "oom"
             rec["error"] = f"OutOfMemoryError: {str(e).splitlines()[0] if str(e) else ''}"
@@ -232,6 +322,107 @@ def run_case(case: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             rec["measure_error"] = f"{type(e).__name__}: {e}"
     return rec
+
+
+# ------------------------------------------------------------------------------------------ extras (children)
+
+def calibrate_gpu(out: Path) -> dict:
+    """memfit's own calibration of this GPU (`memfit calibrate` on CUDA), written as a profile JSON."""
+    from memfit.planner.costmodel import calibrate, describe
+
+    t0 = time.perf_counter()
+    profile = calibrate("cuda")
+    out.write_text(json.dumps(profile.to_dict(), indent=1))
+    return {"seconds": round(time.perf_counter() - t0, 1), "describe": describe(profile), "path": out.name,
+            "problems": profile.problems}
+
+
+def allocator_extras(folder: Path) -> dict:
+    """Two caching-allocator snapshots for `memfit doctor` (issue 13): one fragmented on purpose (4 MiB blocks
+    share 20 MiB segments; every other one freed, then a 12 MiB request needs a segment of its own), one
+    without holes; and NCCL's memory for one communicator on this GPU (a world of one rank)."""
+    import torch
+
+    out: dict = {}
+    MB4 = 4 * MiB
+    torch.cuda.init()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    blocks = [torch.empty(MB4, dtype=torch.uint8, device="cuda") for _ in range(50)]
+    del blocks[::2]
+    big = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+    torch.cuda.memory._dump_snapshot(str(folder / "snapshot_fragmented.pickle"))
+    out["fragmented"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    del blocks, big
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    keep = [torch.empty(64 * MiB, dtype=torch.uint8, device="cuda") for _ in range(10)]
+    torch.cuda.memory._dump_snapshot(str(folder / "snapshot_clean.pickle"))
+    out["clean"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    del keep
+    torch.cuda.memory._record_memory_history(enabled=None)
+    torch.cuda.empty_cache()
+
+    try:
+        out["nccl_one_rank"] = _nccl_one_rank()
+    except Exception as e:  # noqa: BLE001 - keep the snapshots
+        out["nccl_one_rank"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _nccl_one_rank() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    x = torch.ones(16 * MiB, dtype=torch.float32, device="cuda")
+    torch.cuda.synchronize()
+    free0, total = torch.cuda.mem_get_info()
+    reserved0 = torch.cuda.memory_reserved()
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    out = {"device_growth_bytes": int(free0 - free1),
+           "reserved_growth_bytes": int(torch.cuda.memory_reserved() - reserved0),
+           "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+           "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    dist.destroy_process_group()
+    return out
+
+
+def _extra(kind: str, timeout: float) -> dict:
+    """Run an extra in a fresh process (its own CUDA context); its result, or what went wrong."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--extra", kind]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "error": f"no result within {timeout:.0f} s"}
+    rec = _last_result(r.stdout)
+    if rec is None:
+        return {"status": "crash", "error": f"exit status {r.returncode}", "stderr_tail": r.stderr[-3000:]}
+    return rec
+
+
+CALIBRATION_S = 120.0
+
+
+def _run_extra_into(results: dict, kind: str, timeout: float, out: Path) -> None:
+    t0 = time.perf_counter()
+    results["meta"][kind] = dict(_extra(kind, timeout), wall_s=round(time.perf_counter() - t0, 1))
+    print(f"  {kind}: {json.dumps(results['meta'][kind], default=str)[:1500]}", flush=True)
+    _write(out, results)
+
+
+def run_extra(kind: str) -> dict:
+    folder = Path(ARTIFACTS or tempfile.mkdtemp())
+    try:
+        if kind == "calibrate":
+            return {"status": "ok", **calibrate_gpu(folder / "profile_cuda.json")}
+        return {"status": "ok", **allocator_extras(folder)}
+    except Exception as e:  # noqa: BLE001
+        return {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
 
 
 # ------------------------------------------------------------------------------------------ driver (parent)
@@ -374,11 +565,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, help="seconds for the whole run (default 530, --quick 110); "
                                                 "cases that would start later are recorded as skipped")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
+    p.add_argument("--artifacts", type=Path, help="a folder for allocator snapshots and this GPU's calibration; "
+                                                     "with it, the calibration and the allocator extras run first")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--extra", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:  # inside a case process
         _emit(run_case(json.loads(args.worker)))
+        return 0
+    if args.extra:
+        _emit(run_extra(args.extra))
         return 0
 
     cases = [c for c in all_cases() if c["quick"]] if args.quick else all_cases()
@@ -407,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {"meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                         "probe": info, "smi": _smi_gpus(), "argv": sys.argv[1:], "budget_s": budget},
                "cases": []}
+    if args.artifacts:
+        args.artifacts.mkdir(parents=True, exist_ok=True)
+        os.environ["GPU_CHECK_ARTIFACTS"] = str(args.artifacts.resolve())
+        _run_extra_into(results, "allocator", 90.0, args.out)
+        deadline -= CALIBRATION_S  # memfit's calibration of this GPU runs after the cases, in time kept for it
     for case in cases:
         remaining = deadline - time.perf_counter()
         if case.get("needs") and not info.get(case["needs"]):
@@ -424,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
               f"alloc {_p(c['allocated'])}  reserved {_p(c['reserved'])}  smi {_p(c['device'])}"
               + (f"  [{rec['error']}]" if rec.get("error") else ""), flush=True)
 
+    if args.artifacts:
+        _run_extra_into(results, "calibrate", CALIBRATION_S, args.out)
+
     print()
     print(table(results["cases"]))
     ctx = [r["measured"].get("context_bytes") for r in results["cases"]
@@ -432,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         assumed = (info.get("memfit_device") or {}).get("context_bytes")
         print(f"measured CUDA context outside the allocator: {min(ctx) / MiB:.0f}-{max(ctx) / MiB:.0f} MiB"
               + (f" (memfit assumes {assumed / MiB:.0f} MiB)" if assumed else ""))
+    for r in results["cases"]:
+        pred, meas = r.get("predicted_s") or {}, (r.get("measured") or {}).get("step_seconds")
+        if meas:
+            print(f"step time {r['name']}: measured {meas * 1e3:.1f} ms; predicted "
+                  + ", ".join(f"{k} {v * 1e3:.1f} ms ({_p(_rel(v, meas))})" for k, v in pred.items()))
     print(f"wrote {args.out} in {time.time() - started:.0f} s")
     measured = sum(r["status"] in ("ok", "oom") for r in results["cases"])
     return 0 if measured else 1
