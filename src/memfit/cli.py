@@ -134,6 +134,12 @@ def cmd_estimate(args) -> int:
     est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
     if note:
         est.notes.insert(0, note)
+    if args.html:
+        from memfit.report.html import write_timeline_html
+        write_timeline_html(est, args.html)
+    if args.plot:
+        from memfit.report.plots import plot_memory_timeline
+        plot_memory_timeline(est, args.plot)
     if args.json:
         print(json.dumps(est.to_dict()))
     else:
@@ -394,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda, or a catalogue GPU: h100, a100-80gb, rtx-4090, ...")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--html", metavar="PATH", help="the step's memory timeline as one self-contained HTML page: "
+                                                  "by category and block, the peak's tensors with their source lines")
+    p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
     p.set_defaults(fn=cmd_estimate)
 
     p = sub.add_parser("plan", help="the fastest configuration that fits a memory budget")

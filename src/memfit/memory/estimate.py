@@ -42,6 +42,8 @@ __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchErr
 # The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
 # give batch statistics more than one value per channel).
 PROBES = (1, 2)
+TOP_TENSORS = 200   # the largest tensors live at the peak an estimate lists (with shape, module, source line)
+MODULE_GROUPS = 8   # blocks whose activations the timeline keeps apart
 PROBES_WITHOUT_1 = (2, 4)
 
 
@@ -61,7 +63,7 @@ class Estimate:
     model_state_bytes: dict     # Category -> bytes at rest after the step (parameters, gradients, optimizer_state)
     peak_phase: Phase           # forward | backward | optimizer
     modules: list               # [(module, bytes)] activations + temporaries live at the peak, by creator
-    top_tensors: list           # [dict] largest storages live at the peak
+    top_tensors: list           # [dict] the largest storages live at the peak (TOP_TENSORS), with their source line
     timeline: dict              # {"index": [...], "phase": [...], category: [...]}: bytes by category over the step
     flops: int                  # FLOPs of the step (FlopCounterMode's formulas): forward + backward + recompute
     recompute_flops: int        # of which forward ops re-run in backward by activation checkpointing
@@ -78,6 +80,8 @@ class Estimate:
     phase_peaks: dict = dataclasses.field(default_factory=dict)  # Phase -> highest live bytes in it
     blocks: list = dataclasses.field(default_factory=list)       # the model's repeated blocks (checkpointing units)
     routing: dict | None = None  # MoE: the routing assumption and the bound (memory/routing.py)
+    # activations by the block that made them ({group: [...]}, at the timeline's points; module_group())
+    module_timeline: dict = dataclasses.field(default_factory=dict)
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -422,6 +426,7 @@ def _labels(step: TrainStep, tracker: LiveBytes, saved: set[int]) -> dict[int, C
 def _summarise(workload, config, dev, tracker: LiveBytes, recorder: OpRecorder, labels, model_state, n_params,
                notes) -> Estimate:
     live = tracker.live_at_peak()
+    timeline, module_timeline = _timeline(tracker, labels)
     breakdown = dict.fromkeys(CATEGORIES, 0)
     by_module: dict[str, int] = {}
     for key, nbytes in live.items():
@@ -430,9 +435,9 @@ def _summarise(workload, config, dev, tracker: LiveBytes, recorder: OpRecorder, 
         if cat in (Category.ACTIVATIONS, Category.TEMPORARIES):
             mod = tracker.infos[key].module
             by_module[mod] = by_module.get(mod, 0) + nbytes
-    top = sorted(live, key=live.get, reverse=True)[:12]
+    top = sorted(live, key=live.get, reverse=True)[:TOP_TENSORS]
     top_tensors = [dict(bytes=live[k], category=labels[k], **{f: getattr(tracker.infos[k], f) for f in
-                                                             ("shape", "dtype", "op", "module", "phase")})
+                                                             ("shape", "dtype", "op", "module", "phase", "source")})
                    for k in top]
     for t in top_tensors:
         t["shape"] = list(t["shape"])
@@ -444,29 +449,54 @@ def _summarise(workload, config, dev, tracker: LiveBytes, recorder: OpRecorder, 
         workload=workload.name, config=config.to_dict(), device=dev.name, method="fake",
         peak_bytes=tracker.peak, breakdown=breakdown, model_state_bytes=model_state, peak_phase=peak_phase,
         modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:20], top_tensors=top_tensors,
-        timeline=_timeline(tracker, labels), flops=sum(recorder.flops_by_module.values()),
+        timeline=timeline, flops=sum(recorder.flops_by_module.values()),
         recompute_flops=recorder.recompute_flops, module_flops=dict(recorder.flops_by_module),
-        parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes,
+        parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes, module_timeline=module_timeline,
     )
 
 
-def _timeline(tracker: LiveBytes, labels: dict[int, Category], points: int = 1500) -> dict:
-    """Bytes by category after each event, thinned to about `points` samples (the peak always kept)."""
+def module_group(module: str) -> str:
+    """The block a module belongs to: its name up to the first list index ("model.layers.3" of
+    "model.layers.3.mlp.up_proj"), else its first part ("lm_head", "(backward)")."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def _timeline(tracker: LiveBytes, labels: dict[int, Category], points: int = 1500) -> tuple[dict, dict]:
+    """Bytes by category after each event, thinned to about `points` samples (the peak always kept); and the
+    activations by module_group at the same points, the MODULE_GROUPS largest at the peak apart, the rest
+    together as "other modules"."""
     events = tracker.events
     stride = max(1, len(events) // points)
     totals = dict.fromkeys(CATEGORIES, 0)
+    groups: dict[str, int] = {}
     out: dict[str, list] = {"index": [], "phase": [], **{c: [] for c in CATEGORIES}}
+    samples: list[dict[str, int]] = []
+    group_of = {key: module_group(info.module) for key, info in tracker.infos.items()
+                if labels[key] == Category.ACTIVATIONS}
     marks = dict(tracker.marks)
     phase = Phase.SETUP
     for i, (key, delta) in enumerate(events):
         phase = marks.get(i, phase)
         totals[labels[key]] += delta
+        if key in group_of:
+            groups[group_of[key]] = groups.get(group_of[key], 0) + delta
         if i % stride == 0 or i == tracker.peak_index or i == len(events) - 1:
             out["index"].append(i)
             out["phase"].append(phase)
             for c in CATEGORIES:
                 out[c].append(totals[c])
-    return out
+            samples.append({g: v for g, v in groups.items() if v})
+    at_peak = samples[out["index"].index(tracker.peak_index)] if tracker.peak_index in out["index"] else {}
+    apart = sorted(at_peak, key=at_peak.get, reverse=True)[:MODULE_GROUPS]
+    by_module = {g: [s.get(g, 0) for s in samples] for g in apart}
+    rest = [sum(v for g, v in s.items() if g not in by_module) for s in samples]
+    if any(rest):
+        by_module["other modules"] = rest
+    return out, by_module
 
 
 def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device, config: Config) -> None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import sys
+import sysconfig
 import weakref
 from typing import Iterable
 
@@ -71,6 +74,47 @@ class StorageInfo:
     dtype: str
     phase: Phase
     category: Category | None = None  # forced label (inputs, host copies); otherwise decided after the step
+    source: str = ""  # "file:line in function": the model's code that made it ("" for autograd's and optimizers' own)
+
+
+# Frames that are the machinery, not the model: torch, Python's own library, and memfit outside its workloads.
+_MEMFIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MACHINERY = tuple(os.path.join(d, "") for d in {os.path.dirname(os.path.abspath(torch.__file__)),
+                                                  sysconfig.get_paths()["stdlib"]})
+
+
+def _machinery(filename: str) -> bool:
+    if filename.startswith(_MACHINERY) or filename.startswith("<"):
+        return True
+    return filename.startswith(_MEMFIT) and not filename.startswith(os.path.join(_MEMFIT, "workloads", ""))
+
+
+_STEP = os.path.join(_MEMFIT, "step.py")
+
+
+def source_line() -> str:
+    """The innermost frame of the running Python code that is not torch, the standard library or memfit's
+    engine: the line of the model (or loss) that asked for the tensor. The search ends at the training step
+    itself: autograd's backward and the optimizer have no line of the model's own."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename == _STEP:
+            return ""
+        if not _machinery(filename):
+            return f"{short_path(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+def short_path(filename: str) -> str:
+    """Relative to the working directory when under it, else from its package folder on."""
+    path = os.path.abspath(filename)
+    cwd = os.path.join(os.getcwd(), "")
+    if path.startswith(cwd):
+        return path[len(cwd):]
+    parts = path.split(os.sep)
+    return os.sep.join(parts[-2:])
 
 
 class _Scoped(TorchDispatchMode):
@@ -205,7 +249,8 @@ class LiveBytes(_Scoped):
         key = self._next_uid
         self._next_uid += 1
         if self.detail:
-            self.infos[key] = StorageInfo(nbytes, op, self.module, shape, dtype, self.phase, category)
+            source = source_line() if op != "preexisting" else ""  # what exists before the step has no line in it
+            self.infos[key] = StorageInfo(nbytes, op, self.module, shape, dtype, self.phase, category, source)
             self.events.append((key, nbytes))
         self._count(nbytes)
         return key

@@ -1,4 +1,5 @@
-"""PNG charts of an estimate's memory timeline, a run's loss curve and a plan's scaling over GPU counts.
+"""PNG charts of an estimate's memory timeline, a run's loss curve and gradient noise scale, and a plan's
+scaling over GPU counts.
 
 Pure functions of the data, drawn with matplotlib's Agg canvas on a private `Figure` (no pyplot, so no
 display is needed and no global figure state or backend is touched). Each function writes one PNG of a
@@ -23,16 +24,16 @@ SIZE = (11.0, 5.5)        # inches: the memory timeline, 1320 x 660 pixels at DP
 LOSS_SIZE = (9.0, 5.0)    # the loss curve, 1080 x 600 pixels; the scaling chart too
 DPI = 120
 
-_LABELS = {
+LABELS = {
     "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
     "inputs": "inputs", "activations": "activations (saved for backward)", "temporaries": "temporaries",
 }
 # colour-blind-safe (Okabe-Ito), model state in cool colours, step-dependent memory in warm ones
-_COLORS = {
+COLORS = {
     "parameters": "#0072B2", "gradients": "#56B4E9", "optimizer_state": "#009E73",
     "inputs": "#999999", "activations": "#E69F00", "temporaries": "#D55E00",
 }
-_PHASE_SHADES = {"setup": "#f2f2f2", "forward": "#eaf2fb", "backward": "#fbefe6", "optimizer": "#eaf6ef"}
+PHASE_SHADES = {"setup": "#f2f2f2", "forward": "#eaf2fb", "backward": "#fbefe6", "optimizer": "#eaf6ef"}
 _LABEL_BOX = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.8)
 _RC = {"font.size": 11, "axes.titlesize": 13, "axes.labelsize": 11, "legend.fontsize": 9.5,
        "xtick.labelsize": 10, "ytick.labelsize": 10}
@@ -71,19 +72,19 @@ def _phase_spans(index: Sequence[int], phases: Sequence[str]) -> list[tuple[str,
     return [(ph, a, spans[k + 1][1] if k + 1 < len(spans) else b) for k, (ph, a, b) in enumerate(spans)]
 
 
-def _from_step_start(tl: dict) -> dict:
-    """The timeline from the moment the step's starting state is complete. The tracer's first events
-    register the tensors that already exist when the step begins (weights, last step's gradients,
-    optimizer state) one by one: a ramp from zero that never happened. It rises monotonically until the
-    step frees something (zero_grad), so the setup phase is cut to start at its maximum."""
+def step_start(tl: dict) -> int:
+    """Where the step's starting state is complete in a timeline. The tracer's first events register the
+    tensors that already exist when the step begins (weights, last step's gradients, optimizer state) one by
+    one: a ramp from zero that never happened. It rises monotonically until the step frees something
+    (zero_grad), so charts start the setup phase at its maximum."""
     n = len(tl["index"])
     if not n or tl["phase"][0] != "setup":
-        return tl
+        return 0
     totals = [sum(tl[c][i] for c in CATEGORIES) for i in range(n)]
     start = 0
     while start + 1 < n and tl["phase"][start + 1] == "setup" and totals[start + 1] >= totals[start]:
         start += 1
-    return {k: list(v[start:]) for k, v in tl.items()}
+    return start
 
 
 def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> Path:
@@ -91,7 +92,8 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
     the peak marked; on a GPU target, the device's memory (and the predicted reserved peak) as lines."""
     from matplotlib import rc_context
 
-    tl = _from_step_start(estimate.timeline)
+    start = step_start(estimate.timeline)
+    tl = {k: list(v[start:]) for k, v in estimate.timeline.items()}
     x = list(tl["index"])
     if not x:
         raise EstimateError("the estimate has an empty timeline: nothing to plot")
@@ -112,7 +114,7 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
         fig = _new_figure()
         ax = fig.add_subplot()
         ys = [[v / scale for v in tl[c]] for c in CATEGORIES]
-        ax.stackplot(x, *ys, labels=[_LABELS[c] for c in CATEGORIES], colors=[_COLORS[c] for c in CATEGORIES],
+        ax.stackplot(x, *ys, labels=[LABELS[c] for c in CATEGORIES], colors=[COLORS[c] for c in CATEGORIES],
                      alpha=0.9, linewidth=0)
         ax.plot(x, [t / scale for t in totals], color="#222222", linewidth=0.8)
         ax.set_xlim(x[0], x[-1])
@@ -121,7 +123,7 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
 
         # phases: shaded spans, a dashed line where each starts, the name on top
         for k, (ph, a, b) in enumerate(_phase_spans(x, tl["phase"])):
-            ax.axvspan(a, b, color=_PHASE_SHADES.get(ph, "#f5f5f5"), zorder=-2, linewidth=0)
+            ax.axvspan(a, b, color=PHASE_SHADES.get(ph, "#f5f5f5"), zorder=-2, linewidth=0)
             if k:
                 ax.axvline(a, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
             if (b - a) >= 0.04 * (x[-1] - x[0] or 1):  # room for the name
@@ -306,4 +308,41 @@ def plot_scaling(rows: list[dict], path, title: str | None = None) -> Path:
                 bottom.annotate("does not fit", (r["gpus"], 0), textcoords="offset points", xytext=(0, 4),
                                 ha="center", fontsize=8, color="#777777", rotation=90)
         top.set_title(title or "throughput and scaling by GPU count")
+        return _save(fig, path)
+
+
+def plot_noise_scale(records: Iterable[dict], path, global_batch: int, title: str | None = None) -> Path:
+    """The gradient noise scale over a run (runtime/noise.py) on a log axis: each step's own tr(Σ)/|G|²
+    (faint; a step whose |G|² estimate is not positive has none), their moving-average ratio, the critical
+    batch estimate, and the run's global batch beside it."""
+    from matplotlib import rc_context
+
+    rows = sorted((r for r in records if "noise_scale" in r), key=lambda r: r["step"])
+    if not rows:
+        raise RunError("plot_noise_scale: no records with a 'noise_scale' (the run did not accumulate)")
+    own = [(r["step"], r["noise_trace"] / r["noise_grad_sq"]) for r in rows
+           if r["noise_grad_sq"] > 0 and r["noise_trace"] > 0]
+    avg = [(r["step"], r["noise_scale"]) for r in rows if r["noise_scale"] is not None]
+    with rc_context(_RC):
+        fig = _new_figure(LOSS_SIZE)
+        ax = fig.add_subplot()
+        if own:
+            ax.plot([s for s, _ in own], [v for _, v in own], linestyle="none", marker="o", markersize=2.5,
+                    color="#0072B2", alpha=0.25, label="one step's tr(Σ)/|G|²")
+        if avg:
+            ax.plot([s for s, _ in avg], [v for _, v in avg], color="#0072B2", linewidth=2.2,
+                    label="B_simple: ratio of moving averages (the critical batch)")
+        ax.axhline(global_batch, color="#D55E00", linestyle="--", linewidth=1.4, label=f"global batch {global_batch}")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel("batch size (samples, log scale)")
+        ax.grid(color="#cccccc", linewidth=0.6, alpha=0.7, which="major")
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        ax.legend(loc="best", framealpha=0.9)
+        last = f"last B_simple {avg[-1][1]:,.0f}" if avg else "not resolved"
+        ax.set_title(title or f"Gradient noise scale — {len(rows)} steps, {last}", loc="left")
         return _save(fig, path)

@@ -1,0 +1,105 @@
+"""memfit doctor and the HTML timeline (issue 13): the page's data adds up to the estimate's peak, activations
+by block add up to the activations category, a leak is found and named by its line, and built-in workloads
+raise no false alarm."""
+import inspect
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import memfit
+from memfit.report.html import write_timeline_html
+from memfit.runtime.leaks import find_leaks
+from memfit.workloads import load_workload
+
+LOSSES = []
+
+
+def _page_data(path) -> dict:
+    text = path.read_text(encoding="utf-8")
+    return json.loads(re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S).group(1))
+
+
+@pytest.mark.parametrize("device", ["cpu", "h100"])
+def test_the_html_timeline_adds_up_to_the_estimates_peak(tmp_path, device):
+    est = memfit.estimate(load_workload("gpt-tiny"), memfit.Config(micro_batch=4, precision="bf16"), device=device)
+    data = _page_data(write_timeline_html(est, tmp_path / "t.html"))
+    at_peak = sum(layer["values"][data["peak_at"]] for layer in data["layers"])
+    assert at_peak == est.peak_bytes
+    # the blocks' activations are the activations category, point by point
+    n = len(est.timeline["index"])
+    blocks = [sum(v[i] for v in est.module_timeline.values()) for i in range(n)]
+    assert blocks == est.timeline["activations"]
+    assert {"layers.0", "layers.1"} <= set(est.module_timeline)
+    # the forward's activations carry the line of the model that made them
+    made = [t for t in est.top_tensors if str(t["category"]) == "activations" and str(t["phase"]) == "forward"]
+    assert made and all(re.search(r"workloads/gpt\.py:\d+ in \w+", t["source"]) for t in made)
+    assert sum(t["bytes"] for t in est.top_tensors) <= est.peak_bytes
+    labels = [layer["label"] for layer in data["layers"]]
+    assert labels[:4] == ["parameters & buffers", "gradients", "optimizer state", "inputs"]
+    assert labels[-1] == "temporaries" and "activations · layers.0" in labels
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed")
+def test_the_html_timeline_runs_in_headless_chromium(tmp_path):
+    est = memfit.estimate(load_workload("gpt-tiny"), memfit.Config(micro_batch=2), device="cpu")
+    page = write_timeline_html(est, tmp_path / "t.html")
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    # the page's script read its own data and wrote the peak it found
+    assert f'data-bytes="{est.peak_bytes}">The chart\'s data at the peak adds up to {est.peak_bytes} bytes' in dom
+
+
+def _leaky_loss(model, batch):
+    x, y = batch
+    value = torch.nn.functional.mse_loss(model(x), y)
+    LOSSES.append(value)
+    return value
+
+
+def _linear_workload(loss) -> memfit.Workload:
+    return memfit.Workload(model=lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                             torch.nn.Linear(32, 1)),
+                           batch=lambda n: (torch.randn(n, 16), torch.randn(n, 1)), loss=loss,
+                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="leaky")
+
+
+def test_the_leak_finder_names_the_line_that_keeps_the_loss():
+    report = find_leaks(_linear_workload(_leaky_loss), memfit.Config(micro_batch=8), steps=10)
+    assert len(report.leaks) == 1
+    leak = report.leaks[0]
+    lines, first = inspect.getsourcelines(_leaky_loss)
+    made = first + next(i for i, text in enumerate(lines) if "mse_loss" in text)
+    kept = first + next(i for i, text in enumerate(lines) if "LOSSES.append" in text)
+    assert leak.source == f"tests/test_doctor.py:{made} in _leaky_loss" or leak.source.endswith(
+        f"test_doctor.py:{made} in _leaky_loss")
+    assert leak.tensors_per_step == 1 and leak.steps == 10 - 3  # every step after warm-up, but the last
+    assert "grad_fn" in leak.holder and "`LOSSES`" in leak.holder and f"test_doctor.py:{kept}:" in leak.holder
+    assert "loss.item()" in leak.fix
+    assert "LEAK" in report.render()
+
+
+def test_the_leak_finder_without_a_leak():
+    def loss(model, batch):
+        x, y = batch
+        value = torch.nn.functional.mse_loss(model(x), y)
+        LOSSES.append(value.item())  # a number: nothing kept
+        return value
+
+    report = find_leaks(_linear_workload(loss), memfit.Config(micro_batch=8), steps=8)
+    assert report.leaks == [] and report.late == []
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "sort", "mlp-tiny", "resnet-tiny", "moe-tiny"])
+def test_no_false_alarm_on_built_in_workloads_over_20_steps(name):
+    report = find_leaks(load_workload(name), memfit.Config(micro_batch=4), steps=20)
+    assert report.leaks == [], report.render()
+    assert report.live_after_step[-1] == report.live_after_step[2]  # flat after warm-up
+
+
+def test_the_leak_finder_refuses_too_few_steps():
+    with pytest.raises(memfit.MemfitError, match="at least 5 steps"):
+        find_leaks(load_workload("mlp-tiny"), steps=3)
