@@ -103,3 +103,50 @@ def test_no_false_alarm_on_built_in_workloads_over_20_steps(name):
 def test_the_leak_finder_refuses_too_few_steps():
     with pytest.raises(memfit.MemfitError, match="at least 5 steps"):
         find_leaks(load_workload("mlp-tiny"), steps=3)
+
+
+def _doctor(capsys, *argv) -> tuple[int, str, str]:
+    from memfit.cli import main
+
+    rc = main(["doctor", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_doctor_reads_a_snapshot_and_advises_only_when_fragmented(tmp_path, capsys):
+    import pickle
+
+    from test_snapshot import checkerboard
+
+    fragmented, clean = tmp_path / "fragmented.pickle", tmp_path / "clean.pickle"
+    fragmented.write_bytes(pickle.dumps(checkerboard().snapshot()))
+    clean.write_bytes(pickle.dumps(checkerboard(big=None).snapshot()))
+    rc, out, _ = _doctor(capsys, str(fragmented), "--device", "h100")
+    assert rc == 0 and "largest 4 MiB" in out and "expandable_segments:True" in out
+    assert "reserved + 500 MiB assumed CUDA context" in out  # h100's catalogue context
+    rc, out, _ = _doctor(capsys, str(clean))
+    assert rc == 0 and "expandable_segments" not in out
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"not a pickle")
+    rc, out, err = _doctor(capsys, str(bad))
+    assert rc == 2 and err.startswith("memfit: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_doctor_explains_an_oom_message_and_finds_a_configuration_that_fits(capsys):
+    message = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 250.00 MiB. GPU 0 has a total "
+               "capacity of 3.00 GiB of which 100.00 MiB is free. Including non-PyTorch memory, this process has "
+               "2.90 GiB memory in use. Of the allocated memory 2.60 GiB is allocated by PyTorch, and 50.00 MiB is "
+               "reserved by PyTorch but unallocated.")
+    rc, out, _ = _doctor(capsys, "--oom", message)
+    assert rc == 0 and "250 MiB" in out
+    rc, out, _ = _doctor(capsys, "--oom", message, "gpt-tiny", "--micro-batch", "4096", "--device", "h100")
+    assert rc == 0 and "peak" in out and "fastest configuration that fits 3 GiB" in out
+    rc, _, err = _doctor(capsys, "--oom", "a message about something else")
+    assert rc == 2 and "not a CUDA out-of-memory message" in err
+
+
+def test_doctor_watches_a_workload_and_exits_1_on_a_leak(capsys):
+    rc, out, _ = _doctor(capsys, "mlp-tiny", "--micro-batch", "4", "--steps", "6")
+    assert rc == 0 and "no leak" in out
+    rc, _, err = _doctor(capsys, "mlp-tiny", "--steps", "2")
+    assert rc == 2 and "at least 5 steps" in err

@@ -347,6 +347,72 @@ def _describe_workload(name: str) -> dict:
             "sample": ", ".join(shapes)}
 
 
+def cmd_doctor(args) -> int:
+    """Three doctors behind one door: --oom explains an out-of-memory message (with a workload, what the step
+    holds at its peak and the fastest configuration that fits); a snapshot pickle is explained; a workload is
+    watched for leaks over --steps real steps."""
+    from memfit.memory.devices import get_device
+
+    _check_counts(args, "micro_batch", "grad_accum", "steps")
+    if args.oom is not None:
+        from memfit.memory.snapshot import explain_oom, parse_oom_message
+
+        parsed = parse_oom_message(args.oom)
+        if parsed is None:
+            raise ConfigError("--oom: not a CUDA out-of-memory message (it reads \"CUDA out of memory. Tried to "
+                              "allocate ...\"); paste the whole line")
+        for line in explain_oom(parsed):
+            print(line)
+        if args.target:
+            _doctor_oom_plan(args, parsed)
+        return 0
+    if not args.target:
+        raise ConfigError("doctor needs a workload, a snapshot (.pickle) or --oom MESSAGE")
+    if Path(args.target).suffix in (".pickle", ".pkl"):
+        from memfit.memory.snapshot import explain_snapshot, render
+
+        context = get_device(args.device).context_bytes if args.device else 0
+        print(render(explain_snapshot(args.target, context_bytes=context)))
+        return 0
+    from memfit.runtime.leaks import find_leaks
+
+    if args.device and get_device(args.device).kind != "cpu":
+        raise ConfigError("the leak finder runs real steps on this machine's CPU; leave out --device")
+    args.workload = args.target
+    report = find_leaks(_workload(args), _config(args), steps=args.steps)
+    print(report.render())
+    return 1 if report.leaks else 0  # like a linter: a leak found fails a script that runs the doctor
+
+
+def _doctor_oom_plan(args, parsed: dict) -> None:
+    """What the workload's step holds at its peak and the fastest configuration that fits the GPU's memory."""
+    from memfit.memory.devices import get_device
+    from memfit.memory.estimate import estimate
+    from memfit.planner.search import plan
+    from memfit.units import fmt_bytes
+
+    if not args.device:
+        raise ConfigError("with a workload, --oom needs the GPU: --device h100 (a100-80gb, rtx-4090, ...)")
+    device = get_device(args.device)
+    args.workload = args.target
+    workload, config = _workload(args), _config(args, device)
+    est = estimate(workload, config, device=device)
+    held = ", ".join(f"{c} {fmt_bytes(n)}" for c, n in est.breakdown.items() if n)
+    print(f"{workload.name} at {config.describe()} on {device.name}: peak {fmt_bytes(est.peak_bytes)} in "
+          f"{est.peak_phase} ({held}); nvidia-smi would show {fmt_bytes(est.device_peak_bytes or est.peak_bytes)}")
+    blocks = ", ".join(f"{m} {fmt_bytes(n)}" for m, n in est.modules[:3])
+    if blocks:
+        print(f"  largest activations then: {blocks}")
+    budget = parsed.get("total") or device.memory_bytes
+    try:
+        best = plan(workload, config.global_batch, budget=budget, device=device)
+    except PlanError as e:
+        print(f"no configuration of global batch {config.global_batch} fits {fmt_bytes(budget)}: {e}")
+        return
+    print(f"fastest configuration that fits {fmt_bytes(budget)}: {best.config.describe()} — peak "
+          f"{fmt_bytes(best.peak_bytes)}, {best.step_seconds:.3g} s a step (`memfit plan` explains the choice)")
+
+
 def cmd_list(args) -> int:
     from memfit.memory.devices import DEVICES, aliases_of, device_names
     from memfit.workloads import BUILTIN_NAMES
@@ -458,6 +524,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "hsdp")],
                    help="layout across ranks (default: fsdp)")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("doctor", help="explain memory: leaks in a workload's real steps, a CUDA allocator "
+                                      "snapshot (.pickle), or an out-of-memory message (--oom)")
+    p.add_argument("target", nargs="?", help="a workload (watched for leaks) or a snapshot from "
+                                             "torch.cuda.memory._dump_snapshot (.pickle)")
+    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+    p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
+    _add_config_args(p)
+    p.add_argument("--steps", type=int, default=20, help="real steps the leak finder watches (default: %(default)s)")
+    p.add_argument("--oom", metavar="MESSAGE", help="a CUDA out-of-memory message to explain; with a workload and "
+                                                    "--device, also what its step holds and a configuration that fits")
+    p.add_argument("--device", help="the GPU: its context size for a snapshot, its catalogue entry for --oom")
+    p.set_defaults(fn=cmd_doctor)
 
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -19,11 +19,14 @@ expandable_segments off, max_split_size unlimited, one stream, no empty_cache())
 
 Not modelled: several streams, CUDA graphs' private pools, and the release of cached segments
 and retry that the allocator attempts when cudaMalloc itself fails near the memory limit.
+
+`CachingAllocator.snapshot()` writes the modelled state in the format of torch.cuda.memory._snapshot(),
+so memfit's snapshot doctor, and PyTorch's own viewers, read a predicted layout like a measured one.
 """
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Hashable, Iterable
+from typing import Any, Hashable, Iterable, Sequence
 
 from memfit.errors import EstimateError
 
@@ -60,11 +63,13 @@ def segment_size(size: int) -> int:
 class _Block:
     """A piece of a segment: free or handed out. Neighbours within a segment are linked so
     that a freed block can merge with them."""
-    __slots__ = ("addr", "size", "small", "free", "prev", "next")
+    __slots__ = ("addr", "size", "small", "free", "prev", "next", "requested", "frames")
 
     def __init__(self, addr: int, size: int, small: bool):
         self.addr, self.size, self.small = addr, size, small
         self.free = True
+        self.requested = 0  # bytes asked for when last handed out (stale while free): a snapshot's requested_size
+        self.frames: Sequence[dict] = ()  # shared empty default: no list per block during a long replay
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -119,9 +124,10 @@ class _FreeList:
 class CachingAllocator:
     """Replays malloc/free calls and keeps the statistics torch.cuda.memory_stats() reports:
     `allocated` (sizes of handed-out blocks) and `reserved` (sizes of cudaMalloc'd segments),
-    with their peaks."""
+    with their peaks. With `record_trace`, it also keeps the events that
+    torch.cuda.memory._record_memory_history() would record, for snapshot()'s device_traces."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_trace: bool = False) -> None:
         self.allocated = 0
         self.reserved = 0
         self.peak_allocated = 0
@@ -131,8 +137,12 @@ class CachingAllocator:
         self._free_blocks: dict[int, _Block] = {}  # addr -> free block
         self._live: dict[Hashable, _Block | None] = {}  # key -> block (None: a 0-byte request)
         self._next_addr = 0  # segments get increasing, never-reused fake addresses
+        self._heads: list[_Block] = []  # each segment's first block, which survives every split and merge
+        self.trace: list[dict] | None = [] if record_trace else None
 
-    def malloc(self, key: Hashable, nbytes: int) -> None:
+    def malloc(self, key: Hashable, nbytes: int, frames: Sequence[dict] | None = None) -> None:
+        """Hand out a block for `nbytes` under `key`; `frames` (innermost first, as PyTorch records
+        them: dicts of filename, line, name) say where it was allocated, for snapshots."""
         if key in self._live:
             raise EstimateError(f"allocation {key!r} is already live")
         size = rounded(nbytes)
@@ -145,6 +155,9 @@ class CachingAllocator:
         if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
             self._split(block, size)
         block.free = False
+        block.requested, block.frames = nbytes, frames or ()
+        if self.trace is not None:
+            self._record("alloc", block.addr, nbytes, block.frames)
         self._live[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -157,13 +170,43 @@ class CachingAllocator:
         if block is None:
             return
         self.allocated -= block.size
+        if self.trace is not None:  # one stream: the free completes at once
+            self._record("free_requested", block.addr, block.requested, block.frames)
+            self._record("free_completed", block.addr, block.requested, block.frames)
         block.free = True
         for neighbour in (block.prev, block.next):
             if neighbour is not None and neighbour.free:
                 block = self._merge(block, neighbour)
         self._release(block)
 
+    def snapshot(self, device: int = 0) -> dict[str, Any]:
+        """The state as torch.cuda.memory._snapshot() returns it (what _dump_snapshot pickles):
+        segments in address order with their blocks, and the recorded trace (empty unless
+        `record_trace`) as `device`'s entry of device_traces. One stream (0), default pool."""
+        segments = []
+        for head in self._heads:
+            blocks, block = [], head
+            while block is not None:
+                blocks.append({"address": block.addr, "size": block.size,
+                               "requested_size": 0 if block.free else block.requested,
+                               "state": "inactive" if block.free else "active_allocated",
+                               "frames": [] if block.free else list(block.frames)})
+                block = block.next
+            allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            segments.append({
+                "device": device, "address": head.addr, "total_size": sum(b["size"] for b in blocks),
+                "allocated_size": allocated, "active_size": allocated,
+                "requested_size": sum(b["requested_size"] for b in blocks), "stream": 0,
+                "segment_type": "small" if head.small else "large", "segment_pool_id": (0, 0),
+                "is_expandable": False, "frames": [], "blocks": blocks})
+        traces: list[list[dict]] = [[] for _ in range(device + 1)]
+        traces[device] = [dict(e) for e in self.trace or ()]
+        return {"segments": segments, "device_traces": traces}
+
     # -- internals
+    def _record(self, action: str, addr: int, size: int, frames: Sequence[dict]) -> None:
+        self.trace.append({"action": action, "addr": addr, "size": size, "stream": 0, "frames": list(frames)})
+
     def _take_free_block(self, size: int, small: bool) -> _Block | None:
         pool = self._pools[small]
         found = pool.ceiling(size << _ADDR_BITS)  # smallest size >= request, then lowest address
@@ -175,6 +218,9 @@ class CachingAllocator:
     def _new_segment(self, size: int, small: bool) -> _Block:
         seg = segment_size(size)
         block = _Block(self._next_addr, seg, small)
+        self._heads.append(block)
+        if self.trace is not None:
+            self._record("segment_alloc", block.addr, seg, ())
         self._next_addr += seg
         self.reserved += seg
         self.segments += 1
