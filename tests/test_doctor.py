@@ -150,3 +150,14 @@ def test_doctor_watches_a_workload_and_exits_1_on_a_leak(capsys):
     assert rc == 0 and "no leak" in out
     rc, _, err = _doctor(capsys, "mlp-tiny", "--steps", "2")
     assert rc == 2 and "at least 5 steps" in err
+
+
+def test_train_warns_when_live_memory_grows_between_steps(tmp_path):
+    leaky = memfit.train(_linear_workload(_leaky_loss), steps=12, global_batch=8, micro_batch=4, budget="10MiB",
+                         out=tmp_path / "leaky", progress=False)
+    assert "grew in 7 of the last 7 steps" in leaky.report["live_growth"]
+    assert "memfit doctor" in leaky.report["live_growth"]
+    assert all(r["live_bytes"] > 0 for r in leaky.metrics if "loss" in r)
+    clean = memfit.train(load_workload("mlp-tiny"), steps=12, global_batch=8, micro_batch=4, budget="10MiB",
+                         out=tmp_path / "clean", progress=False)
+    assert clean.report["live_growth"] is None

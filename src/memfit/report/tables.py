@@ -221,6 +221,12 @@ def run_view(result) -> Group:
                           style="dim"))
     if r.get("deterministic"):
         lines.append(Text(f"deterministic: deterministic kernels, {r['threads']} intra-op threads", style="dim"))
-    files = "metrics.jsonl, loss.png, memory.png" + (", model.safetensors" if finished else ", checkpoints/")
+    advice = r.get("batch_size_advice") or {}
+    if advice.get("critical_batch") is not None:
+        lines.append(Text(f"batch-size advice (gradient noise scale; the run is unchanged by it): {advice['verdict']}"))
+    if r.get("live_growth"):
+        lines.append(Text(r["live_growth"], style="yellow"))
+    files = ("metrics.jsonl, loss.png, memory.png" + (", noise_scale.png" if advice.get("measured_steps") else "")
+             + (", model.safetensors" if finished else ", checkpoints/"))
     lines.append(Text(f"files in {result.out}: {files}", style="dim"))
     return Group(*lines)

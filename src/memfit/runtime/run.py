@@ -34,7 +34,7 @@ from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
-from memfit.runtime import distributed
+from memfit.runtime import distributed, noise
 from memfit.runtime.trainer import Trainer
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
@@ -88,6 +88,10 @@ def make_scheduler(optimizer, schedule: str, steps: int, warmup: int):
     if schedule not in ("cosine", "constant"):
         raise ConfigError(f"unknown schedule {schedule!r}; choose cosine, onecycle or constant")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, steps, warmup))
+
+
+GROWTH_STEPS = 8  # live memory between steps rising over this many steps in a row (but one) is a leak
+GROWTH_WARNING = "warning: live memory between steps"
 
 
 def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
@@ -236,6 +240,8 @@ class _Run:
         self.saved_step: int | None = None  # the newest checkpoint this run wrote or resumed from
         self.refusals: dict = {}  # activation checkpointing -> why its probe failed, or None
         self.pending: dict[int, list[str]] = {}  # step -> events to log with it (an OOM on another launch)
+        self.live: list[int] = []  # tensor bytes live after each step in this configuration, where known
+        self.growth_said: str | None = None
         self.tracker = None
         if budget is not None and device == "cpu":  # a virtual device: count live bytes, OOM past the budget
             self.tracker = LiveBytes("cpu", budget=budget, detail=False, workspace=CpuWorkspaces())
@@ -354,9 +360,34 @@ class _Run:
                     self._restart_ranks(step, oom)  # raises
                 events.append(self._recover(step, oom))
 
+    def _live_bytes(self) -> int | None:
+        """Tensor bytes live between steps: the GPU allocator's count, or the budget's counter on a CPU (a CPU
+        run without a budget counts nothing after its first steps)."""
+        if self.device.startswith("cuda"):
+            return torch.cuda.memory_allocated(torch.device(self.device))
+        return self.tracker.current if self.tracker is not None else None
+
+    def _watch_growth(self, step: int, live: int | None) -> None:
+        """Warn once when live memory between steps has grown step after step: something keeps memory from
+        every step (a leak); `memfit doctor` finds the line."""
+        if live is None or self.growth_said:
+            return
+        self.live.append(live)
+        recent = self.live[-GROWTH_STEPS:]
+        rises = sum(b > a for a, b in zip(recent, recent[1:]))
+        if len(recent) == GROWTH_STEPS and rises >= GROWTH_STEPS - 2:
+            per_step = (recent[-1] - recent[0]) / (GROWTH_STEPS - 1)
+            self.growth_said = (f"{GROWTH_WARNING} grew in {rises} of the last {GROWTH_STEPS - 1} "
+                                f"steps (about {fmt_bytes(per_step)} a step, {fmt_bytes(recent[0])} -> "
+                                f"{fmt_bytes(recent[-1])}): something keeps memory from every step; "
+                                f"`memfit doctor {self.workload.name} --steps 20` names the line")
+            self.console.print(f"[yellow]{self.growth_said}[/]")
+            self._log_event(step, self.growth_said)
+
     def _recover(self, step: int, oom: Exception) -> str:
         """Move this process to the next configuration and say so (the step is then redone)."""
         cand, said = self._step_down(step, oom)
+        self.live = []  # another configuration holds other state
         self.trainer.reconfigure(cand)
         msg = "; ".join([*said, f"redoing the same global batch with {cand.describe()}"])
         self.console.print(f"[yellow]{msg}[/]")
@@ -397,13 +428,21 @@ class _Run:
                     skipped.append(f"activation checkpointing {cand.activation_checkpoint} not tried: "
                                    f"{self.refusals[cand.activation_checkpoint]}")
                     continue
-            return cand, [f"step {step}: out of memory ({phase}) at {old.describe()}", *skipped]
+            return cand, [f"step {step}: out of memory ({phase}) at {old.describe()}{self._held(old)}", *skipped]
         if old.gpus > 1:  # saving is a collective the other ranks, stuck in the step, cannot join
             raise RunError("; ".join([f"rank {self.rank}: step {step}: out of memory at {old.describe()} and "
                                       "nothing smaller is left to try", *skipped, self.intact()])) from oom
         path = self.save(step)
         raise RunError("; ".join([f"step {step}: out of memory at {old.describe()} and nothing smaller is left to "
                                   f"try", *skipped, f"checkpoint written to {path}"])) from oom
+
+    def _held(self, config: Config) -> str:
+        """What the estimate says `config`'s step holds at its peak, when the run has its estimate."""
+        est = getattr(self.predictions.get(config), "estimate", None)
+        if est is None:
+            return ""
+        held = ", ".join(f"{c} {fmt_bytes(n)}" for c, n in sorted(est.breakdown.items(), key=lambda kv: -kv[1]) if n)
+        return f" (estimated peak {fmt_bytes(est.peak_bytes)} in {est.peak_phase}: {held})"
 
     def _probe(self, configs: list[Config]) -> None:
         """Verify each checkpointing among `configs` not verified yet with a fake probe (together, in forked
@@ -460,6 +499,12 @@ class _Run:
                                micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
                                activation_checkpoint=cfg.to_dict()["activation_checkpoint"],
                                skipped_fp16_steps=self.trainer.engine.skipped_steps, events=events)
+                    if self.trainer.noise is not None:  # batch-size advice, when the step accumulated
+                        rec.update(self.trainer.noise.metrics())
+                    live = self._live_bytes()
+                    if live is not None:
+                        rec["live_bytes"] = live
+                        self._watch_growth(step, live)
                     if cfg.gpus > 1 and step < start + 3:  # the steps every rank measures: each rank's own peak
                         rec["rank_peak_bytes"] = distributed.gather(peak)
                     if self.rank == 0:
@@ -606,7 +651,7 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
            checkpoint_every, progress, console, gpus=1, layout="none", recovery=None) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
-    from memfit.report.plots import plot_loss, plot_memory_timeline
+    from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
     steps, global_batch = identity["steps"], identity["global_batch"]
     dev = get_device(device)
@@ -652,6 +697,9 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     (out / "report.json").write_text(json.dumps(report, indent=1))
     if any(math.isfinite(r["loss"]) for r in losses):  # (a run never logs a non-finite loss; older logs might)
         plot_loss(losses, out / "loss.png", title=f"{workload.name}: training loss")
+    if report["batch_size_advice"]["measured_steps"]:
+        plot_noise_scale(history, out / "noise_scale.png", global_batch,
+                         title=f"{workload.name}: gradient noise scale (batch-size advice)")
     shown = predictions.get(final) or start
     if shown.estimate is not None:
         plot_memory_timeline(shown.estimate, out / "memory.png",
@@ -786,4 +834,6 @@ def _report(workload, history: list[dict], predictions: dict, final: Config, ide
                 samples_per_second=identity["global_batch"] / median if median else None,
                 process_peak_rss_bytes=_process_peak_rss(),
                 oom_recoveries=sum(len(r["events"]) for r in history if "loss" in r),
-                deterministic=identity["deterministic"], threads=torch.get_num_threads(), configs=rows)
+                deterministic=identity["deterministic"], threads=torch.get_num_threads(), configs=rows,
+                batch_size_advice=noise.advice(history, identity["global_batch"], final.gpus),
+                live_growth=next((r["event"] for r in history if r.get("event", "").startswith(GROWTH_WARNING)), None))

@@ -6,6 +6,7 @@ from torch.utils.data import default_collate
 
 from memfit.config import Config
 from memfit.errors import ConfigError, WorkloadError
+from memfit.runtime.noise import NoiseScale
 from memfit.step import TrainStep
 from memfit.strategies import ActivationOffload
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
@@ -49,6 +50,9 @@ class Trainer:
         global_batch: samples per optimizer step when it is not ``config.global_batch`` (a run whose
             micro-batch does not divide it).
 
+    `noise` measures the gradient noise scale of the steps that accumulate, for batch-size advice
+    (`runtime/noise.py`; it reads gradients and changes nothing); None across ranks.
+
     Example::
 
         trainer = Trainer(workload, Config(micro_batch=16, grad_accum=4, activation_checkpoint="all"))
@@ -63,6 +67,7 @@ class Trainer:
             raise ConfigError(f"global batch {self.global_batch} does not split evenly over {config.gpus} GPUs")
         torch.manual_seed(seed)
         self.engine = TrainStep(workload, config, device)
+        self.noise = NoiseScale(self.engine) if config.gpus == 1 else None
         self.step_count = 0
 
     def reconfigure(self, config: Config) -> None:
@@ -70,6 +75,8 @@ class Trainer:
         accumulation) and checkpointing. What would change the math or the optimizer (precision, offload)
         is refused."""
         old = self.config
+        if self.noise is not None:  # a step cut short by an OOM is redone from its first micro-batch
+            self.noise.reset()
         if (config.precision, config.offload_optimizer) != (old.precision, old.offload_optimizer):
             raise ConfigError("a running trainer cannot change precision or optimizer offload")
         if config.activation_checkpoint != old.activation_checkpoint:
