@@ -195,7 +195,7 @@ def test_families_over_budget_by_their_state_alone_are_not_traced(gpt):
     offloaded = state_bytes(gpt, Config(precision="bf16", offload_optimizer=True), h100)
     assert offloaded < floor
     budget = int((floor - 1) / (1 - MARGIN))  # just under the full state: room for the offloaded one only
-    p = plan(gpt, 8, device=h100, budget=budget, activation_checkpoint="all")
+    p = plan(gpt, 8, device=h100, budget=budget, activation_checkpoint="all", precision="bf16")
     assert p.config.offload_optimizer
     verdicts = dict(p.families)
     assert verdicts["bf16, activation checkpointing all"].startswith("does not fit: weights, gradients and optimizer state alone")
@@ -504,3 +504,17 @@ def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
         p = r["plan"]
         full = memfit.estimate(wl, p.config, device="h100")
         assert p.peak_bytes == pytest.approx(full.device_peak_bytes, rel=0.03)
+
+
+def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_searched():
+    """gpt-small at seq 128: bf16 autocast with optimizer offload keeps fp32 weights on the GPU (1.44 GiB with
+    the context); bf16-pure with optimizer offload keeps bf16 ones (0.88 GiB) and fp32 master weights and
+    optimizer state on the host. At 1.2 GiB only the second fits; the plan finds it without being told."""
+    wl = builtin("gpt-small", seq=128)
+    p = plan(wl, 2, device="h100", budget="1.2GiB", micro_batch=1, activation_checkpoint="all",
+             offload_activations=False)
+    assert (p.config.precision, p.config.offload_optimizer) == ("bf16-pure", True)
+    verdicts = dict(p.families)
+    assert verdicts["bf16, activation checkpointing all, optimizer offload"].startswith("does not fit")
+    assert any("bf16-pure searched with optimizer offload" in n for n in p.notes)
+    assert p.estimate.device_peak_bytes <= resolve_budget("1.2GiB", get_device("h100"))

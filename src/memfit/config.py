@@ -21,7 +21,8 @@ class Config:
         micro_batch: samples per forward/backward pass.
         precision: ``fp32``; ``bf16`` (bf16 autocast, fp32 weights); ``fp16`` (fp16 autocast and dynamic
             loss scaling); ``bf16-pure`` (bf16 weights, gradients and optimizer state, no fp32 master copy:
-            8 bytes a parameter with AdamW instead of 16, and numerically weaker).
+            8 bytes a parameter with AdamW instead of 16, and numerically weaker; with ``offload_optimizer``
+            the master weights and optimizer state are fp32 on the host, only the GPU's copy is bf16).
         grad_accum: micro-steps per optimizer step; the global batch is ``micro_batch * grad_accum``.
         activation_checkpoint: which blocks drop their activations after forward and recompute them in
             backward: ``"none"``, ``"all"`` repeated blocks, ``"selective"`` (every block, but the outputs

@@ -413,10 +413,17 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             opts = [False]
             notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
+    # bf16 weights on the GPU with fp32 master weights and optimizer state on the host: the same mixed
+    # precision as FSDP's bf16 policy (bf16 compute, fp32 update), half the device bytes of autocast's weights
+    # (traced only when memory is tight: when no bf16 family without optimizer offload fits its state floor)
+    variants = [(p, act, opt) for p in precisions for act, opt in offloads]
+    bf16_pure_too = precision is None and precisions == ["bf16"] and any(opt for _, opt in offloads)
+    if bf16_pure_too:
+        variants += [("bf16-pure", act, True) for act in sorted({a for a, _ in offloads})]
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt, gpus=gpus, data_parallel=layout,
                     gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
-             for layout in layouts for p in precisions for ck in checkpoints for act, opt in offloads
+             for layout in layouts for p, act, opt in variants for ck in checkpoints
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)]
     families: dict[Config, _Family] = {}
@@ -431,6 +438,14 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if depth:
         notes.append(f"{workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and {DEPTHS[1]} "
                      "blocks, extended to the full depth; every plan offered is confirmed on the whole model")
+    if bf16_pure_too:
+        if any(floors.get(_state_key(b), 0) <= usable for b in bases
+               if b.precision == "bf16" and not b.offload_optimizer):
+            bases = [b for b in bases if b.precision != "bf16-pure"]  # a slower fallback, for tight memory
+        else:
+            notes.append("bf16-pure searched with optimizer offload (bf16 autocast's weights, gradients and "
+                         "optimizer state do not fit): bf16 weights and gradients on the GPU, fp32 master "
+                         "weights and optimizer state on the host (bf16 compute, fp32 update)")
     for b in list(bases):
         floor = floors.get(_state_key(b), 0)
         if floor > usable:
