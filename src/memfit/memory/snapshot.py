@@ -99,7 +99,7 @@ class _PlainData(pickle.Unpickler):
     """A snapshot is dicts, lists, strings and numbers: refusing every class keeps a hostile pickle inert."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it names {module}.{name}, and a snapshot holds plain data only")
+        raise ConfigError(f"it names {module}.{name}, and a snapshot holds plain data only")
 
 
 def read_snapshot(source: str | os.PathLike | dict) -> dict:
