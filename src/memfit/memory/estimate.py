@@ -42,9 +42,9 @@ __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchErr
 # The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
 # give batch statistics more than one value per channel).
 PROBES = (1, 2)
+PROBES_WITHOUT_1 = (2, 4)
 TOP_TENSORS = 200   # the largest tensors live at the peak an estimate lists (with shape, module, source line)
 MODULE_GROUPS = 8   # blocks whose activations the timeline keeps apart
-PROBES_WITHOUT_1 = (2, 4)
 
 
 def first_line(e: BaseException) -> str:

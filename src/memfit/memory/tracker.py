@@ -81,15 +81,13 @@ class StorageInfo:
 _MEMFIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY = tuple(os.path.join(d, "") for d in {os.path.dirname(os.path.abspath(torch.__file__)),
                                                   sysconfig.get_paths()["stdlib"]})
+_STEP = os.path.join(_MEMFIT, "step.py")  # where a search for the model's line ends
 
 
 def _machinery(filename: str) -> bool:
     if filename.startswith(_MACHINERY) or filename.startswith("<"):
         return True
     return filename.startswith(_MEMFIT) and not filename.startswith(os.path.join(_MEMFIT, "workloads", ""))
-
-
-_STEP = os.path.join(_MEMFIT, "step.py")
 
 
 def source_line() -> str:

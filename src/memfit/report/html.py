@@ -97,7 +97,8 @@ def _chart(est: Estimate, layers: list[dict], index: list[int], phases: list[str
     ticks, unit, scale = _ticks(top)
     for t in ticks:
         y = Y(t * scale)
-        out.append(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ccc" stroke-width="0.6"/>')
+        out.append(f'<line x1="{LEFT}" x2="{LEFT + WIDTH}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ccc" '
+                   'stroke-width="0.6"/>')
         out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{t:g}</text>')
     out.append(f'<text x="14" y="{TOP + HEIGHT / 2}" transform="rotate(-90 14 {TOP + HEIGHT / 2})" '
                f'text-anchor="middle">live memory ({unit})</text>')
@@ -109,7 +110,8 @@ def _chart(est: Estimate, layers: list[dict], index: list[int], phases: list[str
         upper = [lo + v for lo, v in zip(lower, layer["values"])]
         if any(layer["values"]):
             out.append(f'<path d="{_path(xs, [Y(v) for v in lower], [Y(v) for v in upper])}" '
-                       f'fill="{layer["color"]}" fill-opacity="0.92"><title>{html.escape(layer["label"])}</title></path>')
+                       f'fill="{layer["color"]}" fill-opacity="0.92">'
+                       f'<title>{html.escape(layer["label"])}</title></path>')
         lower = upper
     # the device's memory, the peak
     if shown_device:
@@ -123,7 +125,8 @@ def _chart(est: Estimate, layers: list[dict], index: list[int], phases: list[str
                f'stroke-opacity="0.6"/><path d="M{px - 6:.1f},{py - 10:.1f} L{px + 6:.1f},{py - 10:.1f} '
                f'L{px:.1f},{py:.1f} Z" fill="#B00020"/>'
                f'<text x="{px + (-9 if anchor == "end" else 9):.1f}" y="{py - 12:.1f}" text-anchor="{anchor}" '
-               f'font-weight="bold" fill="#B00020">peak {fmt_bytes(est.peak_bytes)} ({html.escape(str(est.peak_phase))})</text>')
+               f'font-weight="bold" fill="#B00020">peak {fmt_bytes(est.peak_bytes)} '
+               f'({html.escape(str(est.peak_phase))})</text>')
     out.append(f'<line id="cursor" x1="0" x2="0" y1="{TOP}" y2="{TOP + HEIGHT}" stroke="#222" stroke-width="0.8" '
                'visibility="hidden"/>')
     out.append("</svg>")
@@ -139,7 +142,8 @@ def _peak_bar(est: Estimate, colors: dict[str, str]) -> str:
         w = t["bytes"] / total * WIDTH
         color = colors.get(_layer_key(t, est.module_timeline), "#888")
         out.append(f'<rect x="{x:.2f}" y="0" width="{max(w, 0.5):.2f}" height="{BAR_HEIGHT}" fill="{color}" '
-                   f'stroke="white" stroke-width="{0.4 if w > 2 else 0}"><title>{html.escape(_describe(t))}</title></rect>')
+                   f'stroke="white" stroke-width="{0.4 if w > 2 else 0}">'
+                   f'<title>{html.escape(_describe(t))}</title></rect>')
         x += w
     rest = est.peak_bytes - sum(t["bytes"] for t in est.top_tensors)
     if rest > 0:

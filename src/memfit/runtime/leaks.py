@@ -82,9 +82,9 @@ def find_leaks(workload: Workload, config: Config | None = None, steps: int = 20
     allowance = int(SAFE_HOST_SHARE * available_host_bytes())
     peak = estimate(workload, config, "cpu").peak_bytes
     if 2 * peak > allowance:  # room for the steps' own growth, which is what is being looked for
-        raise HostMemoryError(f"{workload.name}: a real step needs about {fmt_bytes(peak)}; twice that is more than the "
-                              f"safe share of this host ({fmt_bytes(allowance)}), so no step was run; try a smaller "
-                              "--micro-batch")
+        raise HostMemoryError(f"{workload.name}: a real step needs about {fmt_bytes(peak)}; twice that is more "
+                              f"than the safe share of this host ({fmt_bytes(allowance)}), so no step was run; try "
+                              "a smaller --micro-batch")
     return run_isolated(lambda: _watch(workload, config, steps, allowance))
 
 
@@ -178,7 +178,8 @@ def _grows_at(module: types.ModuleType, name: str) -> str:
     path = getattr(module, "__file__", None)
     if not path:
         return ""
-    pattern = re.compile(rf"\b{re.escape(name)}\s*(\.\s*(append|extend|insert|add|update|setdefault)\s*\(|\+=|\[.*\]\s*=)")
+    grows = r"\.\s*(append|extend|insert|add|update|setdefault)\s*\(|\+=|\[.*\]\s*="
+    pattern = re.compile(rf"\b{re.escape(name)}\s*({grows})")
     try:
         with open(path, encoding="utf-8") as f:
             for number, text in enumerate(f, 1):
