@@ -72,6 +72,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="keep activations saved for backward in host memory between forward and backward")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 master weights and optimizer state in host memory; the optimizer steps there")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="update each parameter and free its gradient as soon as backward produces it (same math; "
+                        "one micro-batch a step, no fp16)")
     p.add_argument("--gpus", type=int, default=1,
                    help="data-parallel ranks; every memory figure is per rank (default: %(default)s)")
     p.add_argument("--data-parallel", choices=LAYOUTS,
@@ -96,8 +99,8 @@ def _config(args, device=None) -> Config:
     per_node = args.gpus_per_node or (8 if layout == "hsdp" else None)  # HGX/DGX nodes hold 8 GPUs
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
-                  offload_optimizer=args.offload_optimizer, gpus=args.gpus, data_parallel=layout,
-                  gpus_per_node=per_node)
+                  offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
+                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:

@@ -30,6 +30,9 @@ class Config:
         offload_activations: saved activations live in host memory between forward and backward.
         offload_optimizer: fp32 master weights, optimizer state and the optimizer step live on the host
             (ZeRO-Offload's idea).
+        optimizer_in_backward: each parameter is updated, and its gradient freed, as soon as backward has
+            produced it: the step never holds all gradients. Same math as the step after backward for
+            per-parameter optimizers (SGD, Adam, AdamW, ...); needs grad_accum 1 and no fp16 loss scaling.
         gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
         data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (DistributedDataParallel:
             every rank holds all of it; its gradients live in DDP's buckets (``gradient_as_bucket_view``),
@@ -54,6 +57,7 @@ class Config:
     activation_checkpoint: str | int | tuple[str, ...] = "none"
     offload_activations: bool = False
     offload_optimizer: bool = False
+    optimizer_in_backward: bool = False
     gpus: int = 1
     data_parallel: str = "none"
     gpus_per_node: int | None = None
@@ -68,6 +72,7 @@ class Config:
         if self.offload_optimizer and self.precision == "fp16":
             raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
         self._check_layout()
+        self._check_in_backward()
         ck = self.activation_checkpoint
         if isinstance(ck, list):
             object.__setattr__(self, "activation_checkpoint", tuple(ck))
@@ -78,6 +83,17 @@ class Config:
                 "activation_checkpoint must be 'none', 'all', 'selective', an integer k >= 1 or a list of module "
                 f"names, got {ck!r}"
             )
+
+    def _check_in_backward(self) -> None:
+        if not self.optimizer_in_backward:
+            return
+        why = ("accumulation over micro-batches needs the gradients kept: use grad_accum 1" if self.grad_accum > 1
+               else "fp16 loss scaling checks every gradient for overflow before any update: use bf16"
+               if self.precision == "fp16" else
+               "optimizer offload already streams each gradient to the host" if self.offload_optimizer else
+               "not built across ranks yet" if self.gpus > 1 else None)
+        if why:
+            raise ConfigError(f"optimizer_in_backward updates each parameter as soon as its gradient is ready; {why}")
 
     def _check_layout(self) -> None:
         n, layout, per_node = self.gpus, self.data_parallel, self.gpus_per_node
@@ -134,6 +150,8 @@ class Config:
             parts.append("activation offload")
         if self.offload_optimizer:
             parts.append("optimizer offload")
+        if self.optimizer_in_backward:
+            parts.append("optimizer in backward")
         if self.gpus > 1:
             parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
         return ", ".join(parts)

@@ -12,7 +12,8 @@ import torch
 
 from memfit.config import Config
 from memfit.errors import WorkloadError
-from memfit.strategies import (ActivationOffload, OptimizerOffload, apply_model_strategies, autocast_context,
+from memfit.strategies import (ActivationOffload, OptimizerInBackward, OptimizerOffload, apply_model_strategies,
+                               autocast_context,
                                cast_inputs, check_precision, data_parallel_buffers, host_side, make_grad_scaler,
                                op_policy)
 from memfit.strategies.cuda_kernels import kernels as cuda_kernels
@@ -48,6 +49,7 @@ class TrainStep:
             self.optimizer = self.optimizer_offload.optimizer
         else:
             self.optimizer = workload.optimizer(self.model.parameters())
+        self.in_backward = OptimizerInBackward(self.model, self.optimizer) if config.optimizer_in_backward else None
         self.scaler = make_grad_scaler(config, self.device)
         self.on_phase = on_phase or (lambda phase: None)
         self.move = move
@@ -63,6 +65,8 @@ class TrainStep:
             if offload is not None:
                 offload.moved_bytes = 0
         opt.zero_grad(set_to_none=True)
+        if self.in_backward is not None:
+            self.in_backward.updated = 0
         total = batch_size(batch)
         loss_sum = torch.zeros((), device=self.device)
         # backward too: checkpointing recomputes the forward (under autocast)
@@ -112,6 +116,9 @@ class TrainStep:
                 self._optimizer_step()
             finally:
                 self.tracing = tracing
+            if self.in_backward is not None:  # its steps leave no gradients behind
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def moved_bytes(self) -> int:
@@ -139,6 +146,8 @@ class TrainStep:
 
     def _optimizer_step(self) -> None:
         opt, scaler = self.optimizer, self.scaler
+        if self.in_backward is not None:  # each parameter was updated in backward (during prime: see there)
+            return
         if self.optimizer_offload is not None:  # Config forbids fp16 here: no scaler to consult
             self.optimizer_offload.step()
         elif scaler is None:

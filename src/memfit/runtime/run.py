@@ -97,9 +97,10 @@ GROWTH_WARNING = "warning: live memory between steps"
 def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
     """What to try after an OOM, in order: halve the micro-batch (more accumulation, same global batch),
     then checkpoint selectively, then every block. Precision and optimizer offload are never changed: they
-    would change the math or the optimizer's state layout."""
+    would change the math or the optimizer's state layout. The optimizer step in backward takes one
+    micro-batch a step: only its checkpointing changes."""
     out, m = [], config.micro_batch
-    while m > 1:
+    while m > 1 and not config.optimizer_in_backward:
         m = max(1, m // 2)
         out.append(config.replace(micro_batch=m, grad_accum=math.ceil(global_batch / m)))
     last = out[-1] if out else config
@@ -412,9 +413,9 @@ class _Run:
         e = self.trainer.engine
         phase = getattr(e, "phase", "?")
         e.optimizer.zero_grad(set_to_none=True)
-        if phase == "optimizer":
-            raise RunError(f"step {step}: out of memory inside the optimizer step; parameters may be partly "
-                           f"updated, so the run stops here; {self.intact()}") from oom
+        if phase == "optimizer" or (e.in_backward is not None and e.in_backward.updated):
+            raise RunError(f"step {step}: out of memory inside the optimizer step{' (in backward)' * (phase != 'optimizer')}"
+                           f"; parameters may be partly updated, so the run stops here; {self.intact()}") from oom
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()

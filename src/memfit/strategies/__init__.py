@@ -2,7 +2,8 @@
 
 Order: precision casts the weights, checkpointing wraps the repeated blocks, then data parallelism shards
 them across ranks (apply_model_strategies);
-TrainStep then puts optimizer offload around the optimizer and activation offload around each forward;
+TrainStep then puts optimizer offload (or the optimizer step in backward) around the optimizer and activation
+offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
 """
 from __future__ import annotations
@@ -13,10 +14,11 @@ from memfit.config import Config
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
 from memfit.strategies.data_parallel import apply_data_parallel, data_parallel_buffers
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
+from memfit.strategies.optimizer_in_backward import OptimizerInBackward
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
 
-__all__ = ["ActivationOffload", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
+__all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "apply_model_strategies", "autocast_context", "cast_inputs",
            "data_parallel_buffers",
            "check_precision", "host_side", "make_grad_scaler", "on_host_side", "op_policy"]
 
