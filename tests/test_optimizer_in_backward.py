@@ -76,3 +76,17 @@ def test_a_resumed_run_ends_bit_identical(tmp_path):
                            out=tmp_path / "part")
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()
     assert [m["loss"] for m in whole.metrics if "loss" in m] == [m["loss"] for m in resumed.metrics if "loss" in m]
+
+
+def test_the_planner_steps_in_backward_when_the_rank_batch_does_not_fit_in_one_micro_batch():
+    """gpt-small at seq 128, global batch 8, on an H100 with 3.2 GiB: the plain step does not fit even at
+    micro-batch 1 (its gradients and the optimizer's temporaries), the step in backward fits all 8 at once."""
+    from memfit.planner.search import plan
+
+    p = plan(load_workload("gpt-small", seq=128), 8, device="h100", budget="3.2GiB", activation_checkpoint="all",
+             offload_activations=False, offload_optimizer=False, precision="bf16")
+    assert p.config == Config(micro_batch=8, precision="bf16", activation_checkpoint="all", optimizer_in_backward=True)
+    verdicts = dict(p.families)
+    assert verdicts["bf16, activation checkpointing all, optimizer in backward"] == "chosen at micro-batch 8"
+    assert verdicts["bf16, activation checkpointing all"].startswith("does not fit")
+    assert p.confirmed and p.estimate.breakdown["gradients"] == 0

@@ -348,6 +348,8 @@ def _family_name(cfg: Config) -> str:
         parts.append("activation offload")
     if cfg.offload_optimizer:
         parts.append("optimizer offload")
+    if cfg.optimizer_in_backward:
+        parts.append("optimizer in backward")
     return ", ".join(parts)
 
 
@@ -463,17 +465,28 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     fresh = [b for b in bases if b not in reused]
     results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth)))
     failed = []
-    for base in bases:
-        kind, value = ("ok", reused[base]) if base in reused else results[base]
+
+    def take(base: Config, kind: str, value) -> None:
         if kind == "ok":
             families[base] = value
-            if traced is not None and base not in reused and _state_key(base) in floors:
-                traced[_count_free(base)] = (value, base, floors[_state_key(base)])
         elif isinstance(value, ConfigError):
             verdicts.append((_family_name(base), f"cannot apply: {value}"))
         else:  # the workload's own code, an op fake tensors lack, a crash: plan with the other families
             failed.append((base, value))
             verdicts.append((_family_name(base), f"skipped: tracing it raised {first_line(value)}"))
+
+    for base in bases:
+        kind, value = ("ok", reused[base]) if base in reused else results[base]
+        take(base, kind, value)
+        if kind == "ok" and traced is not None and base not in reused and _state_key(base) in floors:
+            traced[_count_free(base)] = (value, base, floors[_state_key(base)])
+    # The optimizer step in backward holds no gradients but runs one micro-batch a step: traced for the
+    # families that would need accumulation (they do not fit the whole rank batch in one micro-batch).
+    tight = [b.replace(optimizer_in_backward=True) for b, fam in families.items()
+             if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16") and micro_batch in (None, per_rank)
+             and per_rank >= fam.sizes[0] and fam.memory(per_rank, 1, cpu) > usable]
+    for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth)):
+        take(base, kind, value)
     if failed and not families:  # every family failed: that is the answer
         base, error = failed[0]
         if isinstance(error, (WorkloadError, EstimateError)):
@@ -486,9 +499,13 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
 
     candidates: list[Candidate] = []
     too_small: list[_Family] = []  # families with no micro-batch they train at
+    def sizes_of(base: Config, fam: _Family) -> list[int]:
+        sizes = _micro_batches(per_rank, micro_batch, fam.sizes[0])
+        return [m for m in sizes if m == per_rank] if base.optimizer_in_backward else sizes
+
     for base, fam in list(families.items()):
         name = _family_name(base)
-        sizes = _micro_batches(per_rank, micro_batch, fam.sizes[0])
+        sizes = sizes_of(base, fam)
         if not sizes:
             too_small.append(families.pop(base))
             verdicts.append((name, f"cannot train at micro-batch {micro_batch or per_rank} ({fam.rejected})"))
@@ -504,7 +521,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
         none = families.get(base.replace(activation_checkpoint="none"))
         if base.activation_checkpoint == "all" and none is not None and activation_checkpoint is None and gpus == 1:
-            candidates += _every_k(none, fam, global_batch, micro_batch, usable, cpu, rates)
+            candidates += _every_k(none, fam, global_batch, per_rank if base.optimizer_in_backward else micro_batch,
+                                   usable, cpu, rates)
     if too_small and not families:
         fam = too_small[0]
         raise MicroBatchError(workload.name, micro_batch or global_batch, fam.sizes[0], fam.rejected)
@@ -553,7 +571,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
             over = smallest_need[name] - usable
             verdicts.append((name, f"does not fit: over by {fmt_bytes(over)} even at micro-batch "
-                                   f"{min(_micro_batches(per_rank, micro_batch, families[base].sizes[0]))}"))
+                                   f"{min(sizes_of(base, families[base]))}"))
         elif mine:
             fastest = min(mine, key=lambda c: c.step_seconds)
             verdicts.append((name, f"fits, {fastest.step_seconds / best.step_seconds:.2f}x slower "
