@@ -89,6 +89,10 @@ def all_cases() -> list[dict]:
         _case("resnet50 224px mb32 fp32", "resnet", {"image": 224}, 32, "fp32"),
         _case("mlp mb256 fp32", "mlp", {}, 256, "fp32"),
         _case("gpt-7b seq2048 mb2 bf16 ckpt-all", "gpt-7b", {"seq": 2048}, 2, "bf16", activation_checkpoint="all"),
+        _case("gpt-1b seq2048 mb4 bf16 ckpt-all optimizer-in-backward", "gpt-1b", {"seq": 2048}, 4, "bf16",
+              activation_checkpoint="all", optimizer_in_backward=True),
+        _case("gpt-1b seq2048 mb4 bf16-pure ckpt-all offload-optimizer", "gpt-1b", {"seq": 2048}, 4, "bf16-pure",
+              activation_checkpoint="all", offload_optimizer=True),
     ]
 
 
