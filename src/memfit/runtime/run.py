@@ -414,8 +414,9 @@ class _Run:
         phase = getattr(e, "phase", "?")
         e.optimizer.zero_grad(set_to_none=True)
         if phase == "optimizer" or (e.in_backward is not None and e.in_backward.updated):
-            raise RunError(f"step {step}: out of memory inside the optimizer step{' (in backward)' * (phase != 'optimizer')}"
-                           f"; parameters may be partly updated, so the run stops here; {self.intact()}") from oom
+            where = "the optimizer step" if phase == "optimizer" else "backward, after the optimizer updated some"
+            raise RunError(f"step {step}: out of memory in {where}; parameters may be partly updated, so the run "
+                           f"stops here; {self.intact()}") from oom
         gc.collect()
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
