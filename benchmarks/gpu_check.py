@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -178,11 +179,9 @@ TIMED_STEPS = 3
 def _dump_small_snapshot(path: Path, limit: int = 15 * MiB) -> dict:
     """torch.cuda.memory._dump_snapshot's format, with each stack cut to its innermost frames and, if still
     too large to bring back, the oldest trace events dropped."""
-    import pickle
+    from memfit.torch_internals import memory_snapshot
 
-    import torch
-
-    snap = torch.cuda.memory._snapshot()
+    snap = memory_snapshot()
     for seg in snap.get("segments", []):
         for block in seg.get("blocks", []):
             if "frames" in block:
@@ -228,6 +227,7 @@ def run_case(case: dict) -> dict:
     import torch
 
     import memfit
+    from memfit.torch_internals import memory_history
     rec["torch"] = torch.__version__
     rec["env"] = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG",
                                                  "CUDA_MODULE_LOADING", "CUDA_VISIBLE_DEVICES")}
@@ -267,7 +267,7 @@ def run_case(case: dict) -> dict:
         try:
             torch.manual_seed(0)
             if case.get("snapshot") and ARTIFACTS:
-                torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES, stacks="python")
+                memory_history(SNAPSHOT_ENTRIES)
             step = memfit.step.TrainStep(wl, config, "cuda")
             step(wl.batch(config.global_batch))  # warm-up: optimizer state, cuBLAS workspace, scaler state
             torch.cuda.synchronize()
@@ -280,7 +280,7 @@ def run_case(case: dict) -> dict:
             if case.get("snapshot") and ARTIFACTS:
                 path = Path(ARTIFACTS) / f"snapshot_{re.sub(r'[^A-Za-z0-9]+', '_', case['name'])}.pickle"
                 m["snapshot"] = _dump_small_snapshot(path)
-                torch.cuda.memory._record_memory_history(enabled=None)
+                memory_history(0)
             # step time: the median of TIMED_STEPS steps on batches made beforehand (the warm-up compiled nothing:
             # memfit runs eager)
             batches = [wl.batch(config.global_batch) for _ in range(TIMED_STEPS)]
@@ -347,24 +347,26 @@ def allocator_extras(folder: Path) -> dict:
     without holes; and NCCL's memory for one communicator on this GPU (a world of one rank)."""
     import torch
 
+    from memfit.torch_internals import memory_history, memory_snapshot
+
     out: dict = {}
     MB4 = 4 * MiB
     torch.cuda.init()
-    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    memory_history(10_000)
     blocks = [torch.empty(MB4, dtype=torch.uint8, device="cuda") for _ in range(50)]
     del blocks[::2]
     big = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
-    torch.cuda.memory._dump_snapshot(str(folder / "snapshot_fragmented.pickle"))
+    (folder / "snapshot_fragmented.pickle").write_bytes(pickle.dumps(memory_snapshot()))
     out["fragmented"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     del blocks, big
     torch.cuda.empty_cache()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    torch.cuda.memory._record_memory_history(max_entries=10_000, stacks="python")
+    memory_history(0)
+    memory_history(10_000)
     keep = [torch.empty(64 * MiB, dtype=torch.uint8, device="cuda") for _ in range(10)]
-    torch.cuda.memory._dump_snapshot(str(folder / "snapshot_clean.pickle"))
+    (folder / "snapshot_clean.pickle").write_bytes(pickle.dumps(memory_snapshot()))
     out["clean"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     del keep
-    torch.cuda.memory._record_memory_history(enabled=None)
+    memory_history(0)
     torch.cuda.empty_cache()
 
     try:

@@ -30,33 +30,20 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the shared workloads (tests/models.py)
 
 import memfit  # noqa: E402
+import models  # noqa: E402
 from memfit import Config, Trainer  # noqa: E402
 from memfit.step import TrainStep  # noqa: E402
 from memfit.workloads import builtin  # noqa: E402
 
 SORT_BATCH, SORT_MICRO = 64, 16
 BLOCK = 50
-
-
-def linear_regression(d: int, sigma: float, w_star: torch.Tensor) -> memfit.Workload:
-    def model():
-        m = torch.nn.Linear(d, 1, bias=False)
-        torch.nn.init.zeros_(m.weight)
-        return m
-
-    def batch(n):
-        x = torch.randn(n, d)
-        return {"x": x, "y": x @ w_star + sigma * torch.randn(n)}
-
-    return memfit.Workload(model=model, batch=batch, loss=lambda m, b: F.mse_loss(m(b["x"]).squeeze(-1), b["y"]),
-                           optimizer=lambda p: torch.optim.SGD(p, lr=0.0), name="linear-regression")
 
 
 def ratio_of_means(trace: list[float], grad_sq: list[float]) -> tuple[float, float]:
@@ -73,7 +60,7 @@ def part_linear(steps: int) -> list[dict]:
         w_star = torch.ones(d) / math.sqrt(d)
         a_sq = float(w_star.square().sum())
         analytic = ((d + 1) * a_sq + sigma**2 * d) / a_sq
-        trainer = Trainer(linear_regression(d, sigma, w_star), Config(micro_batch=micro, grad_accum=accum))
+        trainer = Trainer(models.linear_regression(d, sigma, w_star), Config(micro_batch=micro, grad_accum=accum))
         trace, grad_sq = [], []
         t0 = time.perf_counter()
         for _ in range(steps):

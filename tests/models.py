@@ -419,3 +419,19 @@ ALL: dict[str, Callable[..., Workload]] = {
 }
 # The ones whose forward reads tensor values to decide shapes: fake tensors cannot trace them.
 DATA_DEPENDENT = frozenset({"moe", "moe_item"})
+
+
+def linear_regression(d: int, sigma: float, w_star: torch.Tensor, lr: float = 0.0) -> Workload:
+    """y = w*·x + ε, x ~ N(0, I_d), ε ~ N(0, σ²), fitted by a bias-free Linear from w = 0 under MSE: a
+    gradient noise known in closed form (tests/test_noise_scale.py; lr 0 holds w where it is measured)."""
+    def model():
+        m = nn.Linear(d, 1, bias=False)
+        nn.init.zeros_(m.weight)
+        return m
+
+    def batch(n):
+        x = torch.randn(n, d)
+        return {"x": x, "y": x @ w_star + sigma * torch.randn(n)}
+
+    return Workload(model=model, batch=batch, loss=lambda m, b: F.mse_loss(m(b["x"]).squeeze(-1), b["y"]),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=lr), name="linear-regression")

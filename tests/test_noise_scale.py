@@ -9,9 +9,9 @@ import math
 import statistics
 
 import torch
-import torch.nn.functional as F
 
 import memfit
+import models
 from memfit import Config, Trainer
 from memfit.memory.tracker import LiveBytes
 from memfit.runtime.noise import DECAY, advice, verdict
@@ -31,17 +31,7 @@ STEPS = 800
 
 
 def linear_regression(lr: float = 0.0) -> memfit.Workload:
-    def model():
-        m = torch.nn.Linear(D, 1, bias=False)
-        torch.nn.init.zeros_(m.weight)
-        return m
-
-    def batch(n):
-        x = torch.randn(n, D)
-        return {"x": x, "y": x @ W_STAR + SIGMA * torch.randn(n)}
-
-    return memfit.Workload(model=model, batch=batch, loss=lambda m, b: F.mse_loss(m(b["x"]).squeeze(-1), b["y"]),
-                           optimizer=lambda p: torch.optim.SGD(p, lr=lr), name="linear-regression")
+    return models.linear_regression(D, SIGMA, W_STAR, lr)
 
 
 @functools.cache

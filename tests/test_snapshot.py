@@ -157,14 +157,16 @@ def test_bad_snapshot_files_raise_one_line_config_errors(tmp_path):
 
 
 def test_pytorchs_own_viewers_accept_the_model_snapshot():
-    from torch.cuda import _memory_viz  # private, and only the test relies on it
+    from memfit.torch_internals import memory_viz
+
+    viz = memory_viz()
     snap = checkerboard(record_trace=True).snapshot()
-    summary = _memory_viz.segsum(snap)   # checks allocated + free == reserved for every segment
+    summary = viz.segsum(snap)   # checks allocated + free == reserved for every segment
     assert "total_reserved: 92.0MiB" in summary and "total_free: 40.0MiB" in summary
-    events = _memory_viz.trace(snap)     # replays alloc / free_requested / free_completed / segment_alloc
+    events = viz.trace(snap)     # replays alloc / free_requested / free_completed / segment_alloc
     assert "46 entries" in events        # 5 segments, 21 allocations, 10 frees of two events each
     assert (events.count("cudaMalloc("), events.count("del "), events.count("# free completed")) == (5, 10, 10)
-    assert "snapshot.pickle" in _memory_viz.segment_plot(snap)
+    assert "snapshot.pickle" in viz.segment_plot(snap)
 
 
 def test_trace_records_what_pytorch_records():
@@ -240,7 +242,9 @@ def test_real_snapshot_matches_the_model(tmp_path):
         keep = [torch.empty(4 << 20, dtype=torch.uint8, device="cuda") for _ in range(20)]
         del keep[1::2]
         keep.append(torch.empty(12 << 20, dtype=torch.uint8, device="cuda"))
-        torch.cuda.memory._dump_snapshot({str(path)!r})
+        import pickle
+        from memfit.torch_internals import memory_snapshot
+        open({str(path)!r}, "wb").write(pickle.dumps(memory_snapshot()))
         print(json.dumps([t.data_ptr() for t in keep]))
         """
     ptrs = json.loads(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,

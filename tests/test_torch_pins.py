@@ -22,6 +22,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
+    pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     assert set(ti.__all__) == pinned
 
 
@@ -320,3 +321,13 @@ def test_replicate_is_ddp_in_place_with_gradients_in_one_bucket(tmp_path):
         assert model[0].weight.grad.untyped_storage().nbytes() == 4 * sum(p.numel() for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_allocator_history_snapshot_and_viewer_are_where_the_shim_looks():
+    import inspect
+
+    params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "stacks", "max_entries"} <= set(params)
+    assert callable(torch.cuda.memory._snapshot) and callable(torch.cuda.memory._dump_snapshot)
+    viz = ti.memory_viz()
+    assert all(callable(getattr(viz, name)) for name in ("segsum", "trace", "segment_plot"))

@@ -19,7 +19,8 @@ from memfit.errors import EstimateError
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
            "ddp_bucket_assignment", "detach_sharing_version", "fake_constant", "fake_constants_up_to",
            "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors",
-           "held_by", "make_op_outputs_swappable", "profiler_allocations", "profiler_call_allocations",
+           "held_by", "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz",
+           "profiler_allocations", "profiler_call_allocations",
            "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key",
            "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
@@ -249,3 +250,25 @@ def trunc_normal_skipped(skip):
         yield
     finally:
         init._no_grad_trunc_normal_ = original
+
+
+def memory_history(max_entries: int) -> None:
+    """Record the CUDA caching allocator's events with Python stacks (what a snapshot's frames and trace
+    hold), keeping the last `max_entries`; 0 stops recording."""
+    if max_entries:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def memory_snapshot() -> dict:
+    """The caching allocator's state as `torch.cuda.memory._dump_snapshot` pickles it: segments, blocks and
+    the recorded trace, plain data."""
+    return torch.cuda.memory._snapshot()
+
+
+def memory_viz():
+    """PyTorch's own snapshot viewer module (segment summaries, trace replay, HTML plots)."""
+    from torch.cuda import _memory_viz
+
+    return _memory_viz
