@@ -75,6 +75,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="update each parameter and free its gradient as soon as backward produces it (same math; "
                         "one micro-batch a step, no fp16)")
+    p.add_argument("--optimizer-8bit", action="store_true",
+                   help="Adam's moments in 8 bits, block-wise scaled (2 bytes a parameter instead of 8; changes the math)")
     p.add_argument("--gpus", type=int, default=1,
                    help="data-parallel ranks; every memory figure is per rank (default: %(default)s)")
     p.add_argument("--data-parallel", choices=LAYOUTS,
@@ -84,23 +86,44 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
 
 
+def _config_json(text: str) -> Config:
+    """--config: a Config as JSON, or a file holding one or a plan (`memfit plan --json`, a run's plan.json)."""
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"--config {text}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--config: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config: expected a JSON object (a Config, or a plan holding one)")
+    return Config.from_dict(data["config"] if isinstance(data.get("config"), dict) else data)
+
+
+_ALLOW_HELP = ("techniques that change the math, searched with the rest when named (comma-separated): 8bit-optim "
+               "(Adam's moments in 8 bits), lora (r=16, alpha=32 adapters, the base frozen)")
+
+
+def _allow(text: str | None) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (text or "").split(",") if t.strip())
+
+
 def _config(args, device=None) -> Config:
     """The configuration the flags (or --config) describe; without --precision, the device's default."""
     from memfit.memory.devices import defaults_for, get_device
 
     if args.config:
-        text = args.config
-        if not text.lstrip().startswith("{"):
-            with open(text) as f:
-                text = f.read()
-        return Config.from_json(text)
+        return _config_json(args.config)
     precision = args.precision or defaults_for(device or get_device("cpu")).precision
     layout = args.data_parallel or ("fsdp" if args.gpus > 1 else "none")
     per_node = args.gpus_per_node or (8 if layout == "hsdp" else None)  # HGX/DGX nodes hold 8 GPUs
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
+                  optimizer_8bit=args.optimizer_8bit, gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:
@@ -180,7 +203,10 @@ def cmd_plan(args) -> int:
 
     from memfit.planner.search import gpu_counts
 
+    from memfit.planner.search import check_allow
+
     _check_counts(args, "global_batch", "micro_batch", "verify_steps", "gpus_per_node")
+    check_allow(_allow(args.allow))
     counts = gpu_counts(args.gpus)
     device = get_device(args.device)
     if resolve_budget(args.budget, device) < 1:
@@ -209,7 +235,8 @@ def cmd_plan(args) -> int:
     if len(counts) > 1:
         from memfit.planner.search import plan_counts
         rows = plan_counts(workload, args.global_batch, counts, budget=args.budget, device=device,
-                           data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, **fixed)
+                           data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node,
+                           allow=_allow(args.allow), **fixed)
         if args.json:
             print(json.dumps([dict(gpus=r["gpus"], why=r["why"], efficiency=r.get("efficiency"),
                                    plan=r["plan"].to_dict() if r["plan"] else None) for r in rows]))
@@ -273,6 +300,13 @@ def cmd_train(args) -> int:
     from memfit.runtime.run import default_run_dir
 
     _check_counts(args, "gpus")
+    allow = _allow(args.allow)
+    if "lora" in allow:
+        raise ConfigError("train runs one model: a LoRA plan (memfit plan --allow lora) is trained with "
+                          "--lora r=16,alpha=32 (the options the plan names)")
+    config = _config_json(args.config) if args.config else None
+    if config is not None and config.gpus != args.gpus:
+        raise ConfigError(f"--config is for {config.gpus} GPU(s); --gpus is {args.gpus}")
     workload = _workload(args)
     if args.gpus > 1 and not distributed.launched():
         if args.device.startswith("cuda"):
@@ -294,7 +328,7 @@ def cmd_train(args) -> int:
                    micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, schedule=args.schedule,
                    progress=not args.no_progress, console=console, deterministic=args.deterministic,
-                   gpus=args.gpus, data_parallel=args.data_parallel)
+                   gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow)
     if args.gpus > 1 and not result.report:
         return 0  # ranks other than 0 say nothing
     from memfit.report.tables import run_view
@@ -492,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--data-parallel", choices=LAYOUTS, help="fix the layout across ranks (default: searched)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node, hsdp's shard group (default: 8)")
+    p.add_argument("--allow", metavar="TECHNIQUE,...", help=_ALLOW_HELP)
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
     p.add_argument("--verify-steps", type=int, default=3, help="real steps --verify times (default: %(default)s)")
     p.add_argument("--plot", metavar="PNG", help="with a range of --gpus: throughput and scaling efficiency by count")
@@ -510,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N, the GPU present")
     p.add_argument("--micro-batch", type=int, help="start from this micro-batch instead of planning")
     p.add_argument("--precision", choices=PRECISIONS, help="fix the precision (default: planned): " + _PRECISION_HELP)
+    p.add_argument("--config", help="start from this configuration instead of planning: a Config as JSON, or a file "
+                                    "holding one or a plan (memfit plan --json > plan.json)")
+    p.add_argument("--allow", metavar="TECHNIQUE,...", help="for the plan a run makes: " + _ALLOW_HELP)
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model's initial weights, the data and dropout (default: %(default)s)")
     p.add_argument("--out", help="run folder (default: a new one under ./runs/)")

@@ -33,6 +33,8 @@ class Config:
         optimizer_in_backward: each parameter is updated, and its gradient freed, as soon as backward has
             produced it: the step never holds all gradients. Same math as the step after backward for
             per-parameter optimizers (SGD, Adam, AdamW, ...); needs grad_accum 1 and no fp16 loss scaling.
+        optimizer_8bit: Adam's two moments in 8 bits a value, block-wise scaled (2 bytes a parameter instead
+            of 8; strategies/optimizer_8bit.py). Changes the math: the planner offers it only when allowed.
         gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
         data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (DistributedDataParallel:
             every rank holds all of it; its gradients live in DDP's buckets (``gradient_as_bucket_view``),
@@ -58,6 +60,7 @@ class Config:
     offload_activations: bool = False
     offload_optimizer: bool = False
     optimizer_in_backward: bool = False
+    optimizer_8bit: bool = False
     gpus: int = 1
     data_parallel: str = "none"
     gpus_per_node: int | None = None
@@ -113,6 +116,8 @@ class Config:
             raise ConfigError("fp16 loss scaling across ranks is not supported yet: use bf16 with data_parallel")
         if layout != "none" and (self.offload_optimizer or self.offload_activations):
             raise ConfigError("offload with data_parallel is not supported yet")
+        if self.fsdp and self.optimizer_8bit:
+            raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
 
     @property
     def global_batch(self) -> int:
@@ -152,6 +157,8 @@ class Config:
             parts.append("optimizer offload")
         if self.optimizer_in_backward:
             parts.append("optimizer in backward")
+        if self.optimizer_8bit:
+            parts.append("8-bit optimizer states (changes the math)")
         if self.gpus > 1:
             parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
         return ", ".join(parts)

@@ -14,8 +14,8 @@ from memfit.config import Config
 from memfit.errors import WorkloadError
 from memfit.strategies import (ActivationOffload, OptimizerInBackward, OptimizerOffload, apply_model_strategies,
                                autocast_context,
-                               cast_inputs, check_precision, data_parallel_buffers, host_side, make_grad_scaler,
-                               op_policy)
+                               cast_inputs, check_precision, data_parallel_buffers, eight_bit, host_side,
+                               make_grad_scaler, op_policy)
 from memfit.strategies.cuda_kernels import kernels as cuda_kernels
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
@@ -44,11 +44,12 @@ class TrainStep:
         self.model = apply_model_strategies(model, config, self.device)
         self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
         self.optimizer_offload = None
+        make_optimizer = eight_bit(workload.optimizer) if config.optimizer_8bit else workload.optimizer
         if config.offload_optimizer:
-            self.optimizer_offload = OptimizerOffload(self.model, workload.optimizer, self.device)
+            self.optimizer_offload = OptimizerOffload(self.model, make_optimizer, self.device)
             self.optimizer = self.optimizer_offload.optimizer
         else:
-            self.optimizer = workload.optimizer(self.model.parameters())
+            self.optimizer = make_optimizer(self.model.parameters())
         self.in_backward = OptimizerInBackward(self.model, self.optimizer) if config.optimizer_in_backward else None
         self.scaler = make_grad_scaler(config, self.device)
         self.on_phase = on_phase or (lambda phase: None)

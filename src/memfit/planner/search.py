@@ -350,6 +350,8 @@ def _family_name(cfg: Config) -> str:
         parts.append("optimizer offload")
     if cfg.optimizer_in_backward:
         parts.append("optimizer in backward")
+    if cfg.optimizer_8bit:
+        parts.append("8-bit optimizer states (changes the math)")
     return ", ".join(parts)
 
 
@@ -375,14 +377,22 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
          profile: Profile | None = None, confirm: int = 2, gpus: int = 1, data_parallel: str | None = None,
-         gpus_per_node: int | None = None, traced: dict | None = None) -> Plan:
+         gpus_per_node: int | None = None, traced: dict | None = None, allow=()) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
     searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node).
     `confirm`: how many of the fastest candidates get a full estimate (0: the best prediction is returned
-    unconfirmed). `traced`: families traced at other GPU counts, reused and filled in (plan_counts)."""
+    unconfirmed). `traced`: families traced at other GPU counts, reused and filled in (plan_counts).
+    `allow`: techniques that change the math, searched with the rest when named (ALLOW); the plan labels them."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
+    allowed = check_allow(allow)
+    if "lora" in allowed and "+lora:" not in workload.name:
+        return _full_or_lora(workload, global_batch, dict(
+            budget=budget, device=dev, precision=precision, micro_batch=micro_batch,
+            activation_checkpoint=activation_checkpoint, offload_activations=offload_activations,
+            offload_optimizer=offload_optimizer, profile=profile, confirm=confirm, gpus=gpus,
+            data_parallel=data_parallel, gpus_per_node=gpus_per_node, allow=allowed - {"lora"}))
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
     per_rank = global_batch // gpus
     budget_bytes = resolve_budget(budget, dev)
@@ -415,19 +425,25 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             opts = [False]
             notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
         offloads = [(a, o) for a in acts for o in opts]
-    # bf16 weights on the GPU with fp32 master weights and optimizer state on the host: the same mixed
-    # precision as FSDP's bf16 policy (bf16 compute, fp32 update), half the device bytes of autocast's weights
-    # (traced only when memory is tight: when no bf16 family without optimizer offload fits its state floor)
+    # bf16 weights on the GPU, traced only when memory is tight (no bf16 family without optimizer offload fits
+    # its state floor): with optimizer offload, fp32 master weights and optimizer state on the host (the same
+    # mixed precision as FSDP's bf16 policy: bf16 compute, fp32 update); without, no fp32 copy at all
     variants = [(p, act, opt) for p in precisions for act, opt in offloads]
-    bf16_pure_too = precision is None and precisions == ["bf16"] and any(opt for _, opt in offloads)
+    bf16_pure_too = precision is None and precisions == ["bf16"] and gpus == 1
     if bf16_pure_too:
-        variants += [("bf16-pure", act, True) for act in sorted({a for a, _ in offloads})]
+        variants += [("bf16-pure", act, opt) for act, opt in offloads]
+    eights = (False, True) if "8bit-optim" in allowed else (False,)
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
-                    offload_optimizer=opt, gpus=gpus, data_parallel=layout,
+                    offload_optimizer=opt, optimizer_8bit=eight, gpus=gpus, data_parallel=layout,
                     gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
-             for layout in layouts for p, act, opt in variants for ck in checkpoints
+             for layout in layouts for p, act, opt in variants for ck in checkpoints for eight in eights
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and activation_checkpoint is None)]
+             if not (act and ck != "none" and activation_checkpoint is None)
+             and not (eight and layout in ("fsdp", "fsdp-no-reshard", "hsdp"))]
+    if "8bit-optim" in allowed:
+        notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
+                     "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
+                     "instead of 8; not with FSDP's sharded parameters yet")
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
     smallest_need: dict[str, int] = {}
@@ -443,11 +459,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if bf16_pure_too:
         if any(floors.get(_state_key(b), 0) <= usable for b in bases
                if b.precision == "bf16" and not b.offload_optimizer):
-            bases = [b for b in bases if b.precision != "bf16-pure"]  # a slower fallback, for tight memory
+            bases = [b for b in bases if b.precision != "bf16-pure"]  # a weaker fallback, for tight memory
         else:
-            notes.append("bf16-pure searched with optimizer offload (bf16 autocast's weights, gradients and "
-                         "optimizer state do not fit): bf16 weights and gradients on the GPU, fp32 master "
-                         "weights and optimizer state on the host (bf16 compute, fp32 update)")
+            notes.append("bf16-pure searched (bf16 autocast's weights, gradients and optimizer state do not fit): "
+                         "bf16 weights and gradients on the GPU; with optimizer offload, fp32 master weights and "
+                         "optimizer state on the host (bf16 compute, fp32 update), without it no fp32 copy at all")
     for b in list(bases):
         floor = floors.get(_state_key(b), 0)
         if floor > usable:
@@ -565,7 +581,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     best = confirmed[0]
     for base in families:
         name = _family_name(base)
-        mine = [c for c in candidates if _family_name(c.config) == name]
+        mine = [c for c in candidates if _family_name(c.config) == name  # (a full estimate may have refuted some)
+                and not (c.confirmed and c.peak_bytes > usable)]
         if name == _family_name(best.config):
             verdicts.insert(0, (name, f"chosen at micro-batch {best.config.micro_batch}"))
         elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
@@ -584,6 +601,48 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
                 alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes,
                 confirmed=best.confirmed)
+
+
+ALLOW = {"8bit-optim": "8-bit optimizer states", "lora": "LoRA"}  # what `allow` may name: they change the math
+LORA = dict(r=16, alpha=32)  # the adapters a plan allowed LoRA tries (peft's targets for the architecture)
+
+
+def check_allow(allow) -> frozenset:
+    allowed = frozenset([allow] if isinstance(allow, str) else allow or ())
+    unknown = sorted(allowed - set(ALLOW))
+    if unknown:
+        raise ConfigError(f"cannot allow {', '.join(unknown)}: the techniques that change the math are "
+                          f"{', '.join(ALLOW)}")
+    return allowed
+
+
+def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
+    """The faster of the full fine-tune's plan and LoRA's (LORA's adapters), each said in the other's notes."""
+    from memfit.workloads.lora import lora
+
+    adapted = lora(workload, **LORA)
+    plans, why = {}, {}
+    for kind, wl in (("full fine-tune", workload), ("LoRA", adapted)):
+        try:
+            plans[kind] = plan(wl, global_batch, **options)
+        except PlanError as e:
+            why[kind] = str(e)
+    if not plans:
+        raise PlanError(f"{why['full fine-tune']}; with LoRA too: {why['LoRA'].partition(': ')[2] or why['LoRA']}")
+    kind = min(plans, key=lambda k: plans[k].step_seconds)
+    best = plans[kind]
+    other = "full fine-tune" if kind == "LoRA" else "LoRA"
+    if other in plans:
+        said = (f"{other} fits too ({plans[other].config.describe()}, peak {fmt_bytes(plans[other].peak_bytes)}), "
+                f"{plans[other].step_seconds / best.step_seconds:.2f}x slower")
+    else:
+        said = f"{other} does not fit: {why[other]}"
+    if kind == "LoRA":
+        best.notes.insert(0, f"LoRA allowed (it changes the math: the base is frozen, only adapters train): "
+                             f"planned with r={LORA['r']}, alpha={LORA['alpha']} on peft's targets for the model; "
+                             f"train it with --lora r={LORA['r']},alpha={LORA['alpha']}")
+    best.notes.insert(1 if kind == "LoRA" else 0, f"LoRA allowed; {said}")
+    return best
 
 
 def gpu_counts(text: str) -> list[int]:
@@ -634,7 +693,7 @@ def _count_free(cfg: Config) -> tuple:
 
 def _state_key(cfg: Config) -> tuple:
     """What decides a family's state floor: precision, optimizer offload, the layout across ranks."""
-    return cfg.precision, cfg.offload_optimizer, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node
+    return cfg.precision, cfg.offload_optimizer, cfg.optimizer_8bit, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node
 
 
 def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth: int | None) -> list:

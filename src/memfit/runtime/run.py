@@ -544,7 +544,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
           seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None,
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
           console=None, deterministic: bool | None = None, gpus: int = 1,
-          data_parallel: str | None = None) -> RunResult:
+          data_parallel: str | None = None, allow=()) -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
@@ -576,6 +576,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
             and this process is one of them (runtime/distributed.py). Not planned yet: the micro-batch
             defaults to the rank's share of the global batch.
         data_parallel: the layout across ranks (`Config.data_parallel`); default fsdp.
+        allow: techniques that change the math the plan may use (`plan`'s `allow`: "8bit-optim").
 
     Returns:
         `RunResult`: the run folder, steps done, final configuration and loss, metrics and the report.
@@ -626,7 +627,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     with deterministic_mode(identity["deterministic"], identity["threads"]):
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                      progress=progress, console=console, gpus=gpus, layout=layout, recovery=recovery)
+                      progress=progress, console=console, gpus=gpus, layout=layout, recovery=recovery,
+                      allow=allow)
 
 
 def default_run_dir(workload: Workload) -> Path:
@@ -651,7 +653,7 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
-           checkpoint_every, progress, console, gpus=1, layout="none", recovery=None) -> RunResult:
+           checkpoint_every, progress, console, gpus=1, layout="none", recovery=None, allow=()) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
@@ -669,7 +671,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
     elif config is None and micro_batch is None:
-        chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision)
+        chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision, allow=allow)
         config, start = chosen.config, from_plan(chosen)
     else:
         config = config or Config(micro_batch=micro_batch, precision=precision or defaults_for(dev).precision)
