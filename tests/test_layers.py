@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
 # lowest first; a module's layer is the longest prefix listed here
 LAYERS = [
     ("memfit.torch_internals", "memfit.errors", "memfit.units"),
-    ("memfit.config", "memfit.workload"),
+    ("memfit.config", "memfit.workload", "memfit.losses"),
     ("memfit.workloads",),
     ("memfit.strategies",),
     ("memfit.step",),

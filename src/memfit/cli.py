@@ -236,7 +236,7 @@ def cmd_plan(args) -> int:
         from memfit.planner.search import plan_counts
         rows = plan_counts(workload, args.global_batch, counts, budget=args.budget, device=device,
                            data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node,
-                           allow=_allow(args.allow), **fixed)
+                           allow=_allow(args.allow), host_memory=args.host_memory, **fixed)
         if args.json:
             print(json.dumps([dict(gpus=r["gpus"], why=r["why"], efficiency=r.get("efficiency"),
                                    plan=r["plan"].to_dict() if r["plan"] else None) for r in rows]))
@@ -252,7 +252,8 @@ def cmd_plan(args) -> int:
     if args.plot:
         raise PlanError("--plot draws a range of GPU counts (--gpus 8-512)")
     result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=counts[0],
-                  data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, **fixed)
+                  data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, allow=_allow(args.allow),
+                  host_memory=args.host_memory, **fixed)
     verified = None
     if args.verify:
         from memfit.runtime.verify import verify
@@ -303,7 +304,7 @@ def cmd_train(args) -> int:
     allow = _allow(args.allow)
     if "lora" in allow:
         raise ConfigError("train runs one model: a LoRA plan (memfit plan --allow lora) is trained with "
-                          "--lora r=16,alpha=32 (the options the plan names)")
+                          "--lora r=16,alpha=32,targets=all-linear (the options the plan names)")
     config = _config_json(args.config) if args.config else None
     if config is not None and config.gpus != args.gpus:
         raise ConfigError(f"--config is for {config.gpus} GPU(s); --gpus is {args.gpus}")
@@ -527,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel", choices=LAYOUTS, help="fix the layout across ranks (default: searched)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node, hsdp's shard group (default: 8)")
     p.add_argument("--allow", metavar="TECHNIQUE,...", help=_ALLOW_HELP)
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="host memory offloading may use on the GPU's machine, e.g. 64GiB (default: not limited; "
+                        "the plan says what it needs)")
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
     p.add_argument("--verify-steps", type=int, default=3, help="real steps --verify times (default: %(default)s)")
     p.add_argument("--plot", metavar="PNG", help="with a range of --gpus: throughput and scaling efficiency by count")

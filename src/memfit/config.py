@@ -33,6 +33,9 @@ class Config:
         optimizer_in_backward: each parameter is updated, and its gradient freed, as soon as backward has
             produced it: the step never holds all gradients. Same math as the step after backward for
             per-parameter optimizers (SGD, Adam, AdamW, ...); needs grad_accum 1 and no fp16 loss scaling.
+        loss_chunks: the loss computed in this many pieces of tokens, each chunk's logits made again in
+            backward (memfit/losses.py): same math, most of a large vocabulary's logits never held; for losses
+            written with `memfit.losses.chunked_cross_entropy` (memfit's GPT, transformers' causal LMs).
         optimizer_8bit: Adam's two moments in 8 bits a value, block-wise scaled (2 bytes a parameter instead
             of 8; strategies/optimizer_8bit.py). Changes the math: the planner offers it only when allowed.
         gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
@@ -61,6 +64,7 @@ class Config:
     offload_optimizer: bool = False
     optimizer_in_backward: bool = False
     optimizer_8bit: bool = False
+    loss_chunks: int = 1
     gpus: int = 1
     data_parallel: str = "none"
     gpus_per_node: int | None = None
@@ -70,6 +74,8 @@ class Config:
             raise ConfigError(f"micro_batch must be an integer >= 1, got {self.micro_batch!r}")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ConfigError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 1:
+            raise ConfigError(f"loss_chunks must be an integer >= 1, got {self.loss_chunks!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.offload_optimizer and self.precision == "fp16":
@@ -118,6 +124,9 @@ class Config:
             raise ConfigError("offload with data_parallel is not supported yet")
         if self.fsdp and self.optimizer_8bit:
             raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
+        if self.fsdp and self.loss_chunks > 1:
+            raise ConfigError("a chunked loss calls the LM head after FSDP's root forward has resharded it: not "
+                              "built with FSDP yet, use ddp")
 
     @property
     def global_batch(self) -> int:
@@ -157,6 +166,8 @@ class Config:
             parts.append("optimizer offload")
         if self.optimizer_in_backward:
             parts.append("optimizer in backward")
+        if self.loss_chunks > 1:
+            parts.append(f"loss in {self.loss_chunks} chunks")
         if self.optimizer_8bit:
             parts.append("8-bit optimizer states (changes the math)")
         if self.gpus > 1:

@@ -12,6 +12,10 @@ class ConfigError(MemfitError, ValueError):
     """A configuration that cannot be applied to this model or device; raised before anything changes."""
 
 
+class LossChunkError(ConfigError):
+    """The workload's loss cannot be computed in chunks (Config.loss_chunks): the planner then leaves chunking out."""
+
+
 class WorkloadError(MemfitError):
     """The user's workload could not be loaded or does not behave as the contract says."""
 

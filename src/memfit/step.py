@@ -11,7 +11,8 @@ from typing import Callable
 import torch
 
 from memfit.config import Config
-from memfit.errors import WorkloadError
+from memfit.errors import LossChunkError, WorkloadError
+from memfit.losses import chunked_used, chunking
 from memfit.strategies import (ActivationOffload, OptimizerInBackward, OptimizerOffload, apply_model_strategies,
                                autocast_context,
                                cast_inputs, check_precision, data_parallel_buffers, eight_bit, host_side,
@@ -76,8 +77,12 @@ class TrainStep:
                 micro = cast_inputs(self.move(micro, self.device), cfg)
                 weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
                 self._enter("forward")
-                with autocast_context(cfg, self.device, self.cuda_target), self._offload_hooks():
+                with autocast_context(cfg, self.device, self.cuda_target), self._offload_hooks(), \
+                        chunking(cfg.loss_chunks):
                     loss = self.workload.loss(model, micro)
+                    if cfg.loss_chunks > 1 and not chunked_used():
+                        raise LossChunkError(f"loss_chunks={cfg.loss_chunks}: {self.workload.name}'s loss does not "
+                                          "compute its cross-entropy with memfit.losses.chunked_cross_entropy")
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
                 self._enter("backward")

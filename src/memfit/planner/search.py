@@ -21,7 +21,7 @@ import math
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, EstimateError, MicroBatchError, PlanError, WorkloadError
+from memfit.errors import ConfigError, EstimateError, LossChunkError, MicroBatchError, PlanError, WorkloadError
 from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line,
                                     outside_tensors, probe, probe_pair, state_bytes)
@@ -34,6 +34,7 @@ from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
 
 MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
+LOSS_CHUNKS = 8  # pieces a chunked loss is searched with (torchtune's choice for its chunked output)
 
 
 @dataclasses.dataclass
@@ -138,6 +139,10 @@ class _Family:
         # ratio instead, +35%; a 70B's copies of 8 blocks, scaled, put 64 H100s at 57 GiB where it holds 50)
         return int(live + e2.device_peak_bytes - e2.peak_bytes)
 
+    def host(self) -> int:
+        """Host memory the step needs beyond the batch (offloaded master weights, gradients, optimizer state)."""
+        return self.probes[1].estimate.host_peak_bytes or 0
+
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         o1, o2 = (p.ops for p in self.probes)
         if self._tables is None:
@@ -192,6 +197,9 @@ class _DeepFamily:
     def memory(self, m: int, accum: int, cpu: bool, phases: dict | None = None) -> int:
         return self.tall.memory(m, accum, cpu, phases=phases or self.phases(m, accum))
 
+    def host(self) -> int:
+        return round(self._extend(self.short.host(), self.tall.host()))
+
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         return self._extend(self.short.seconds(profile, m, accum, comm), self.tall.seconds(profile, m, accum, comm))
 
@@ -213,6 +221,7 @@ class _AtCount:
     nccl: int           # NCCL bytes at base less at traced_at
 
     rejected = property(lambda self: self.family.rejected)
+    host = property(lambda self: self.family.host)
     sizes = property(lambda self: self.family.sizes)
     depth = property(lambda self: self.family.depth)
 
@@ -350,6 +359,8 @@ def _family_name(cfg: Config) -> str:
         parts.append("optimizer offload")
     if cfg.optimizer_in_backward:
         parts.append("optimizer in backward")
+    if cfg.loss_chunks > 1:
+        parts.append(f"loss in {cfg.loss_chunks} chunks")
     if cfg.optimizer_8bit:
         parts.append("8-bit optimizer states (changes the math)")
     return ", ".join(parts)
@@ -377,13 +388,14 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
          profile: Profile | None = None, confirm: int = 2, gpus: int = 1, data_parallel: str | None = None,
-         gpus_per_node: int | None = None, traced: dict | None = None, allow=()) -> Plan:
+         gpus_per_node: int | None = None, traced: dict | None = None, allow=(), host_memory=None) -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
     searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node).
     `confirm`: how many of the fastest candidates get a full estimate (0: the best prediction is returned
     unconfirmed). `traced`: families traced at other GPU counts, reused and filled in (plan_counts).
-    `allow`: techniques that change the math, searched with the rest when named (ALLOW); the plan labels them."""
+    `allow`: techniques that change the math, searched with the rest when named (ALLOW); the plan labels them.
+    `host_memory`: the host memory offloading may use (a size); None: not limited (each plan says its need)."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     allowed = check_allow(allow)
@@ -392,11 +404,13 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             budget=budget, device=dev, precision=precision, micro_batch=micro_batch,
             activation_checkpoint=activation_checkpoint, offload_activations=offload_activations,
             offload_optimizer=offload_optimizer, profile=profile, confirm=confirm, gpus=gpus,
-            data_parallel=data_parallel, gpus_per_node=gpus_per_node, allow=allowed - {"lora"}))
+            data_parallel=data_parallel, gpus_per_node=gpus_per_node, allow=allowed - {"lora"},
+            host_memory=host_memory))
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
     per_rank = global_batch // gpus
     budget_bytes = resolve_budget(budget, dev)
     usable = int(budget_bytes * (1 - MARGIN))
+    host_bytes = parse_size(host_memory) if host_memory is not None else None
     cpu = dev.kind == "cpu"
     # measured (a first calibration takes a while) only once something fits: "nothing fits" comes at once
     rates = functools.cache(lambda: profile or profile_for(dev))
@@ -433,13 +447,16 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if bf16_pure_too:
         variants += [("bf16-pure", act, opt) for act, opt in offloads]
     eights = (False, True) if "8bit-optim" in allowed else (False,)
+    fsdp = ("fsdp", "fsdp-no-reshard", "hsdp")
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
-                    offload_optimizer=opt, optimizer_8bit=eight, gpus=gpus, data_parallel=layout,
+                    offload_optimizer=opt, optimizer_8bit=eight, loss_chunks=chunks, gpus=gpus, data_parallel=layout,
                     gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
              for layout in layouts for p, act, opt in variants for ck in checkpoints for eight in eights
+             # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
+             for chunks in ((1, LOSS_CHUNKS) if ck == "all" and layout not in fsdp else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)
-             and not (eight and layout in ("fsdp", "fsdp-no-reshard", "hsdp"))]
+             and not (eight and layout in fsdp)]
     if "8bit-optim" in allowed:
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
@@ -485,6 +502,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     def take(base: Config, kind: str, value) -> None:
         if kind == "ok":
             families[base] = value
+        elif isinstance(value, LossChunkError):  # said once, in the notes
+            if not any(n.startswith("loss not chunked") for n in notes):
+                notes.append(f"loss not chunked: {value}")
         elif isinstance(value, ConfigError):
             verdicts.append((_family_name(base), f"cannot apply: {value}"))
         else:  # the workload's own code, an op fake tensors lack, a crash: plan with the other families
@@ -521,6 +541,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
 
     for base, fam in list(families.items()):
         name = _family_name(base)
+        if host_bytes is not None and not cpu and fam.host() > host_bytes:
+            del families[base]
+            verdicts.append((name, f"does not fit the host: offloading needs {fmt_bytes(fam.host())} of host "
+                                   f"memory, over --host-memory by {fmt_bytes(fam.host() - host_bytes)}"))
+            continue
         sizes = sizes_of(base, fam)
         if not sizes:
             too_small.append(families.pop(base))
@@ -559,7 +584,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 continue
             cand.peak_bytes, cand.confirmed, cand.estimate = _used(value.estimate), True, value.estimate
             cand.step_seconds = _seconds(rates(), value, cand.config, dev)
-            if cand.peak_bytes <= usable:
+            host = value.estimate.host_peak_bytes or 0
+            if host_bytes is not None and host > host_bytes:
+                candidates.remove(cand)
+                verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(host)} of host"))
+            elif cand.peak_bytes <= usable:
                 confirmed.append(cand)
             else:
                 verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
@@ -569,7 +598,10 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
         raise raised[0]
     if not confirmed:
-        if not smallest_need:
+        over_host = [v for _, v in verdicts if "of host" in v]
+        if not smallest_need and over_host:
+            hint = f"every family that fits the GPU needs more host memory than --host-memory ({over_host[0]})"
+        elif not smallest_need:
             hint = "no family could be traced"
         else:
             name = min(smallest_need, key=smallest_need.get)
@@ -604,7 +636,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
 
 
 ALLOW = {"8bit-optim": "8-bit optimizer states", "lora": "LoRA"}  # what `allow` may name: they change the math
-LORA = dict(r=16, alpha=32)  # the adapters a plan allowed LoRA tries (peft's targets for the architecture)
+LORA = dict(r=16, alpha=32, targets="all-linear")  # the adapters a plan allowed LoRA tries (QLoRA's choice of layers)
 
 
 def check_allow(allow) -> frozenset:
@@ -625,7 +657,9 @@ def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
     for kind, wl in (("full fine-tune", workload), ("LoRA", adapted)):
         try:
             plans[kind] = plan(wl, global_batch, **options)
-        except PlanError as e:
+        except (PlanError, WorkloadError) as e:  # (a model peft cannot adapt: planned without LoRA)
+            if kind != "LoRA" and not isinstance(e, PlanError):
+                raise
             why[kind] = str(e)
     if not plans:
         raise PlanError(f"{why['full fine-tune']}; with LoRA too: {why['LoRA'].partition(': ')[2] or why['LoRA']}")
@@ -639,10 +673,14 @@ def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
         said = f"{other} does not fit: {why[other]}"
     if kind == "LoRA":
         best.notes.insert(0, f"LoRA allowed (it changes the math: the base is frozen, only adapters train): "
-                             f"planned with r={LORA['r']}, alpha={LORA['alpha']} on peft's targets for the model; "
-                             f"train it with --lora r={LORA['r']},alpha={LORA['alpha']}")
+                             f"adapters of rank {LORA['r']} (alpha {LORA['alpha']}) on every Linear layer of the "
+                             f"blocks; train it with --lora {_lora_flag()}")
     best.notes.insert(1 if kind == "LoRA" else 0, f"LoRA allowed; {said}")
     return best
+
+
+def _lora_flag() -> str:
+    return ",".join(f"{k}={v}" for k, v in LORA.items())
 
 
 def gpu_counts(text: str) -> list[int]:

@@ -129,6 +129,8 @@ def plan_view(plan) -> Group:
         ("chosen: ", "bold"), (cfg.describe(), "bold cyan"),
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
         f" · step {_fmt_seconds(plan.step_seconds)} · {fmt_number(plan.samples_per_second)} samples/s",
+        f"\nhost memory for offloading: {fmt_bytes(plan.estimate.host_peak_bytes)}"
+        if plan.estimate is not None and plan.estimate.host_peak_bytes else "",
     )
     alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
     for col in ("configuration", "peak", "step", "vs chosen"):

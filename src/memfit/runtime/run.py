@@ -30,6 +30,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, RunError
 from memfit.memory.devices import defaults_for, get_device
+from memfit.memory.isolate import available_host_bytes
 from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
@@ -40,6 +41,7 @@ from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
 SCHEDULES = ("cosine", "onecycle", "constant")
+HOST_SHARE = 0.8  # of this machine's available memory, what a planned run's offloading may take
 
 
 @dataclasses.dataclass
@@ -671,7 +673,9 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
     elif config is None and micro_batch is None:
-        chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision, allow=allow)
+        host = int(HOST_SHARE * available_host_bytes()) if dev.kind == "cuda" else None  # offload's room here
+        chosen = plan(workload, global_batch, budget=budget, device=dev, precision=precision, allow=allow,
+                      host_memory=host)
         config, start = chosen.config, from_plan(chosen)
     else:
         config = config or Config(micro_batch=micro_batch, precision=precision or defaults_for(dev).precision)

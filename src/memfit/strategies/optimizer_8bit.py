@@ -6,7 +6,7 @@ A code is a step on a logarithmic grid below its block's largest magnitude (eigh
 value is kept within 4.4%): small values keep their scale where a linear code would flush them to zero, and
 the second moment spans many orders of magnitude in one block. Tensors under 4,096 elements keep fp32
 moments, as bitsandbytes does (`min_8bit_size`); their update is torch's own AdamW formula. The update runs
-CHUNK elements at a time, so its fp32 temporaries stay a few MiB whatever the parameter's size.
+CHUNK elements at a time, so each fp32 temporary stays within 64 MiB whatever the parameter's size.
 
 This changes the math (each moment is rounded after every step): memfit uses it only when it is allowed
 (`Config.optimizer_8bit`; the planner's ``allow=("8bit-optim",)``) and says so wherever it is used. It is
@@ -24,7 +24,7 @@ from memfit.errors import ConfigError
 
 BLOCK = 256         # elements sharing one fp32 scale
 MIN_SIZE = 4096     # smaller tensors keep fp32 moments
-CHUNK = 1 << 22     # elements updated at once (a multiple of BLOCK): 16 MiB per fp32 temporary
+CHUNK = 1 << 24     # elements updated at once (a multiple of BLOCK): 64 MiB per fp32 temporary
 STEPS = 8           # codes per octave
 TOP = {torch.uint8: 255, torch.int8: 127}  # the largest code: the block's largest magnitude
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.losses import chunked_cross_entropy, loss_chunks
 from memfit.workload import Workload, WorkloadError
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -173,6 +174,10 @@ class GPT(nn.Module):
             x = layer(x)
         return self.head(self.norm(x))
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The LM head, found as on a transformers model (peft's wrappers pass the call through)."""
+        return self.head
+
 
 # ---------------------------------------------------------------------------------------------- workload
 
@@ -184,6 +189,8 @@ def next_token_loss(model: nn.Module, batch) -> torch.Tensor:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
     else:
         inputs, targets = batch["input"], batch["target"]
+    if loss_chunks() > 1:
+        return chunked_cross_entropy(lambda: model(inputs), model.get_output_embeddings(), targets)
     logits = model(inputs)
     # Upcast as Llama trainers do: with bf16 logits the softmax would lose the small probabilities.
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

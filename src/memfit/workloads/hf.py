@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from memfit.losses import chunked_cross_entropy, loss_chunks
 from memfit.workload import Workload, WorkloadError
 
 MISSING = "transformers is not installed: pip install 'memfit[hf]'"
@@ -317,6 +318,11 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         return {"input_ids": ids, "labels": labels, "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}
 
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        if task == "causal" and loss_chunks() > 1:  # the model's own loss would make all the logits
+            rest = {k: v for k, v in b.items() if k != "labels"}
+            with _rows_not_packed():
+                return chunked_cross_entropy(lambda: m(**rest), m.get_output_embeddings(), b["labels"],
+                                             logits=lambda out: out.logits, shift=True)
         with _rows_not_packed():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
         if getattr(out, "loss", None) is None:

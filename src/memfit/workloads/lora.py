@@ -16,6 +16,7 @@ import torch
 from memfit.workload import Workload, WorkloadError
 
 MISSING = "LoRA needs peft, which is not installed: pip install 'memfit[hf]'"
+ALL_LINEAR = "all-linear"  # peft's target for every Linear layer (a transformers model's output head excepted)
 KEYS = ("r", "alpha", "targets", "dropout")
 
 
@@ -85,7 +86,7 @@ def lora(workload: Workload, r: int = 8, alpha: float | None = None, targets: It
         r: the adapters' rank.
         alpha: LoRA's alpha (default: peft's, 8).
         targets: module names (the last part, e.g. ``["q_proj", "v_proj"]``) to adapt, or a comma-separated
-            string. Default: peft's choice for the transformers architecture (q_proj and v_proj for Llama,
+            string; ``"all-linear"``: every Linear layer (peft's; a transformers model's output head excepted). Default: peft's choice for the transformers architecture (q_proj and v_proj for Llama,
             c_attn for GPT-2); a model that is not a transformers one must name them.
         dropout: dropout on the adapters' input (default 0: peft then adds no dropout at all).
 
@@ -131,7 +132,7 @@ def _wrap(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Module:
     peft = _peft()
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     listing = f"its Linear layers: {', '.join(linear) or 'none'}"
-    if options.targets is not None:
+    if options.targets is not None and options.targets != (ALL_LINEAR,):
         names = [name for name, _ in model.named_modules()]  # peft matches a whole name or its dotted tail
         unknown = [t for t in options.targets if not any(n == t or n.endswith("." + t) for n in names)]
         if unknown:
@@ -140,7 +141,7 @@ def _wrap(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Module:
     if options.alpha is not None:
         kwargs["lora_alpha"] = options.alpha
     if options.targets is not None:
-        kwargs["target_modules"] = list(options.targets)
+        kwargs["target_modules"] = ALL_LINEAR if options.targets == (ALL_LINEAR,) else list(options.targets)
     try:
         with warnings.catch_warnings():  # peft's notes to itself, not the user's: GPT-2's Conv1D is transposed,
             warnings.filterwarnings("ignore", message=".*fan_in_fan_out")  # and a transformers deprecation

@@ -1,0 +1,97 @@
+"""The loss in chunks of tokens (issue 14): the plain step's math on a transformers model and on memfit's GPT,
+the estimate equal to the profiler with the logits no longer held whole, refusals, the planner's choice and a
+bit-identical resume."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memfit
+from memfit import Config, Workload
+from memfit.errors import ConfigError, LossChunkError
+from memfit.losses import chunked_cross_entropy, loss_chunks
+from memfit.planner.search import LOSS_CHUNKS, plan
+from memfit.step import TrainStep
+from memfit.workloads import load_workload
+from truth import real_step_peak
+
+
+def _train(workload, config, steps=3):
+    torch.manual_seed(0)
+    step = TrainStep(workload, config)
+    torch.manual_seed(1)
+    losses = [float(step(workload.batch(config.global_batch))) for _ in range(steps)]
+    return losses, [p.detach().clone() for p in step.model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "gpt-tiny"])
+def test_same_math_as_the_whole_loss(name):
+    wl = load_workload(name)
+    plain_losses, plain = _train(wl, Config(micro_batch=4))
+    losses, weights = _train(wl, Config(micro_batch=4, loss_chunks=5))  # chunks of unequal size
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for a, b in zip(weights, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_estimate_equals_the_profiler_and_the_logits_are_not_held_whole():
+    wl = load_workload("hf:llama")
+    with torch.device("meta"):
+        vocab = wl.model().config.vocab_size
+    tokens = 4 * wl.batch(1)["input_ids"].shape[1]
+    plain = memfit.estimate(wl, Config(micro_batch=4))
+    chunked = memfit.estimate(wl, Config(micro_batch=4, loss_chunks=4))
+    assert chunked.peak_bytes == pytest.approx(real_step_peak(wl, Config(micro_batch=4, loss_chunks=4)), rel=0.01)
+    # the whole loss holds the fp32 logits' log-softmax for backward; in 4 chunks a quarter of it at a time
+    assert plain.peak_bytes - chunked.peak_bytes >= 0.75 * tokens * vocab * 4
+
+
+def _scaled_logits() -> Workload:
+    """A model that changes its logits after the head: its loss cannot be chunked without changing the math."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids)) * 0.5
+
+    def loss(model, batch):
+        if loss_chunks() > 1:
+            return chunked_cross_entropy(lambda: model(batch[:, :-1]), model.head, batch[:, 1:])
+        return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+    return Workload(model=Scaled, batch=lambda n: torch.randint(0, 50, (n, 9)), loss=loss, name="scaled")
+
+
+def test_what_cannot_be_chunked_is_refused():
+    with pytest.raises(LossChunkError, match="changes them after it"):
+        memfit.estimate(_scaled_logits(), Config(micro_batch=2, loss_chunks=2))
+    with pytest.raises(LossChunkError, match="does not compute its cross-entropy with"):
+        memfit.estimate(load_workload("mlp"), Config(micro_batch=2, loss_chunks=2))
+    with pytest.raises(ConfigError, match="FSDP"):
+        Config(loss_chunks=2, gpus=2, data_parallel="fsdp")
+    assert memfit.estimate(_scaled_logits(), Config(micro_batch=2)).peak_bytes > 0  # whole, it traces
+
+
+def test_the_planner_chunks_the_loss_when_that_lets_a_larger_micro_batch_fit():
+    """gpt-small at seq 1024 on 3.8 GiB of an H100: the whole loss fits one sample a micro-batch; chunked, all
+    four samples fit in one micro-batch, which is faster."""
+    p = plan(load_workload("gpt-small", seq=1024), 4, device="h100", budget="3.8GiB", precision="bf16",
+             activation_checkpoint="all", offload_activations=False, offload_optimizer=False)
+    assert p.config.loss_chunks == LOSS_CHUNKS and p.config.micro_batch == 4 and p.confirmed
+    verdicts = dict(p.families)
+    assert verdicts[f"bf16, activation checkpointing all, loss in {LOSS_CHUNKS} chunks"] == "chosen at micro-batch 4"
+    assert verdicts["bf16, activation checkpointing all"].startswith("fits")
+    assert not any("loss not chunked" in n for n in p.notes)
+
+
+def test_a_resumed_run_ends_bit_identical(tmp_path):
+    wl, config = load_workload("gpt-tiny"), Config(micro_batch=8, loss_chunks=4, optimizer_in_backward=True)
+    whole = memfit.train(wl, 4, 8, config=config, schedule="constant", deterministic=True, progress=False,
+                         out=tmp_path / "whole")
+    memfit.train(wl, 2, 8, config=config, schedule="constant", deterministic=True, checkpoint_every=2,
+                 progress=False, out=tmp_path / "part")
+    resumed = memfit.train(wl, 4, 8, config=config, schedule="constant", resume=True, progress=False,
+                           out=tmp_path / "part")
+    assert resumed.config.loss_chunks == 4
+    assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()

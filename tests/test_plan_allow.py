@@ -1,0 +1,42 @@
+"""What the planner may use beyond the math-keeping techniques (issue 14): LoRA only when allowed, the host
+memory offloading needs checked against --host-memory, and the CLI's spelling of both."""
+import pytest
+
+from memfit.cli import main
+from memfit.errors import PlanError
+from memfit.planner.search import LORA, plan
+from memfit.workloads import load_workload
+
+
+def test_lora_is_planned_only_when_allowed_and_says_how_to_train_it():
+    """hf:llama, global batch 8 on 8 MiB of this CPU: the full fine-tune needs 8.9 MiB; with LoRA the base's
+    gradients and optimizer state are gone."""
+    wl, fixed = load_workload("hf:llama"), dict(budget="8MiB", device="cpu", precision="fp32",
+                                                activation_checkpoint="none")
+    with pytest.raises(PlanError, match="nothing fits in 8 MiB"):
+        plan(wl, 8, **fixed)
+    p = plan(wl, 8, allow=["lora"], **fixed)
+    assert p.estimate.workload == f"hf:llama+lora:r={LORA['r']},alpha={LORA['alpha']},targets=all-linear"
+    # AdamW's state for the adapters alone: a full fine-tune's is twice its parameters' bytes
+    assert p.estimate.model_state_bytes["optimizer_state"] < 0.25 * p.estimate.model_state_bytes["parameters"]
+    assert "--lora r=16,alpha=32,targets=all-linear" in p.notes[0] and "full fine-tune does not fit" in p.notes[1]
+
+
+def test_offloading_is_held_to_the_host_memory_given():
+    wl = load_workload("gpt-small", seq=128)
+    fixed = dict(device="h100", precision="bf16", activation_checkpoint="all", offload_activations=False,
+                 offload_optimizer=True)
+    with pytest.raises(PlanError, match="more host memory than --host-memory"):
+        plan(wl, 8, host_memory="100MiB", **fixed)
+    p = plan(wl, 8, host_memory="64GiB", **fixed)
+    # the fp32 master weights, their gradients and AdamW's two moments: 16 bytes a parameter at least
+    with __import__("torch").device("meta"):
+        params = sum(q.numel() for q in wl.model().parameters())
+    assert 16 * params <= p.estimate.host_peak_bytes <= 64 * 2**30
+
+
+def test_cli_refuses_an_unknown_technique_and_lora_in_train(capsys):
+    assert main(["plan", "gpt-tiny", "--global-batch", "8", "--allow", "lora,4bit"]) == 2
+    assert "cannot allow 4bit" in capsys.readouterr().err
+    assert main(["train", "gpt-tiny", "--steps", "1", "--allow", "lora"]) == 2
+    assert "--lora r=16,alpha=32,targets=all-linear" in capsys.readouterr().err
