@@ -40,3 +40,20 @@ def test_cli_refuses_an_unknown_technique_and_lora_in_train(capsys):
     assert "cannot allow 4bit" in capsys.readouterr().err
     assert main(["train", "gpt-tiny", "--steps", "1", "--allow", "lora"]) == 2
     assert "--lora r=16,alpha=32,targets=all-linear" in capsys.readouterr().err
+
+
+def test_train_runs_a_saved_plan_as_it_is(tmp_path, capsys):
+    """`memfit plan --json > plan.json` then `memfit train --config plan.json`: the plan's configuration, with
+    the techniques only a configuration can ask for (the optimizer step in backward, a chunked loss, 8-bit
+    states), is what runs; a bad file is one line."""
+    import json
+
+    from memfit import Config
+    config = Config(micro_batch=8, loss_chunks=2, optimizer_in_backward=True, optimizer_8bit=True)
+    (tmp_path / "plan.json").write_text(json.dumps({"config": config.to_dict(), "device": "cpu"}))
+    assert main(["train", "gpt-tiny", "--steps", "2", "--global-batch", "8", "--config", str(tmp_path / "plan.json"),
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert Config.from_dict(report["config"]) == config
+    assert main(["train", "gpt-tiny", "--steps", "2", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -75,6 +75,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="update each parameter and free its gradient as soon as backward produces it (same math; "
                         "one micro-batch a step, no fp16)")
+    p.add_argument("--loss-chunks", type=int, default=1,
+                   help="compute the loss in this many pieces of tokens, each chunk's logits made again in backward "
+                        "(same math; language models: memfit's GPT, transformers' causal LMs)")
     p.add_argument("--optimizer-8bit", action="store_true",
                    help="Adam's moments in 8 bits, block-wise scaled (2 bytes a parameter instead of 8; changes the math)")
     p.add_argument("--gpus", type=int, default=1,
@@ -123,7 +126,7 @@ def _config(args, device=None) -> Config:
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  optimizer_8bit=args.optimizer_8bit, gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
+                  optimizer_8bit=args.optimizer_8bit, loss_chunks=args.loss_chunks, gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:
