@@ -94,6 +94,10 @@ def all_cases() -> list[dict]:
               activation_checkpoint="all", optimizer_in_backward=True),
         _case("gpt-1b seq2048 mb4 bf16-pure ckpt-all offload-optimizer", "gpt-1b", {"seq": 2048}, 4, "bf16-pure",
               activation_checkpoint="all", offload_optimizer=True),
+        _case("hf:tinyllama seq2048 mb4 bf16 ckpt-all loss-in-8-chunks", "hf:<config.json>", {"seq": 2048}, 4, "bf16",
+              needs="transformers", hf_config=TINYLLAMA_CONFIG, activation_checkpoint="all", loss_chunks=8),
+        _case("gpt-1b seq2048 mb2 bf16-pure ckpt-all in-backward 8-bit-states", "gpt-1b", {"seq": 2048}, 2,
+              "bf16-pure", activation_checkpoint="all", optimizer_in_backward=True, optimizer_8bit=True),
     ]
 
 

@@ -126,7 +126,8 @@ def _config(args, device=None) -> Config:
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  optimizer_8bit=args.optimizer_8bit, loss_chunks=args.loss_chunks, gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
+                  optimizer_8bit=args.optimizer_8bit, loss_chunks=args.loss_chunks, gpus=args.gpus,
+                  data_parallel=layout, gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:
@@ -202,11 +203,7 @@ def cmd_summary(args) -> int:
 
 def cmd_plan(args) -> int:
     from memfit.memory.devices import get_device
-    from memfit.planner.search import check_batches, plan, resolve_budget
-
-    from memfit.planner.search import gpu_counts
-
-    from memfit.planner.search import check_allow
+    from memfit.planner.search import check_allow, check_batches, gpu_counts, plan, resolve_budget
 
     _check_counts(args, "global_batch", "micro_batch", "verify_steps", "gpus_per_node")
     check_allow(_allow(args.allow))
@@ -306,8 +303,9 @@ def cmd_train(args) -> int:
     _check_counts(args, "gpus")
     allow = _allow(args.allow)
     if "lora" in allow:
-        raise ConfigError("train runs one model: a LoRA plan (memfit plan --allow lora) is trained with "
-                          "--lora r=16,alpha=32,targets=all-linear (the options the plan names)")
+        from memfit.planner.search import lora_flag
+        raise ConfigError(f"train runs one model: a LoRA plan (memfit plan --allow lora) is trained with "
+                          f"--lora {lora_flag()} (the options the plan names)")
     config = _config_json(args.config) if args.config else None
     if config is not None and config.gpus != args.gpus:
         raise ConfigError(f"--config is for {config.gpus} GPU(s); --gpus is {args.gpus}")

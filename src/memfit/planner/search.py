@@ -635,7 +635,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 confirmed=best.confirmed)
 
 
-ALLOW = {"8bit-optim": "8-bit optimizer states", "lora": "LoRA"}  # what `allow` may name: they change the math
+ALLOW = ("8bit-optim", "lora")  # what `allow` may name: 8-bit optimizer states, LoRA (they change the math)
 LORA = dict(r=16, alpha=32, targets="all-linear")  # the adapters a plan allowed LoRA tries (QLoRA's choice of layers)
 
 
@@ -674,12 +674,13 @@ def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
     if kind == "LoRA":
         best.notes.insert(0, f"LoRA allowed (it changes the math: the base is frozen, only adapters train): "
                              f"adapters of rank {LORA['r']} (alpha {LORA['alpha']}) on every Linear layer of the "
-                             f"blocks; train it with --lora {_lora_flag()}")
+                             f"blocks; train it with --lora {lora_flag()}")
     best.notes.insert(1 if kind == "LoRA" else 0, f"LoRA allowed; {said}")
     return best
 
 
-def _lora_flag() -> str:
+def lora_flag() -> str:
+    """LORA in `--lora` syntax, for the plan's note and train's refusal."""
     return ",".join(f"{k}={v}" for k, v in LORA.items())
 
 
