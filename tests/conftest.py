@@ -10,10 +10,7 @@ def pytest_configure(config):
     """The suite runs as on a new machine: memfit's caches (this CPU's calibration, measured kernel
     workspaces) start empty in a folder of the run's own, as in CI, so nothing measured by an earlier run
     or an older memfit can hide a fault in measuring. The CPU is calibrated here, once (~25 s), so that no
-    test's time depends on whether it happens to be the first to need step times. The suite's workers
-    (pytest-xdist: one a core) share the cache the first process made and calibrated, before they started."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MEMFIT_CACHE", "").count("memfit-test-cache-"):
-        return
+    test's time depends on whether it happens to be the first to need step times."""
     os.environ["MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
     from memfit.memory.devices import get_device
     from memfit.planner.costmodel import profile_for

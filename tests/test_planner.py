@@ -199,7 +199,8 @@ def test_families_over_budget_by_their_state_alone_are_not_traced(gpt):
     assert p.config.offload_optimizer
     verdicts = dict(p.families)
     assert verdicts["bf16, activation checkpointing all"].startswith("does not fit: weights, gradients and optimizer state alone")
-    assert "chosen" in verdicts["bf16, activation checkpointing all, optimizer offload"]
+    # (the chunked-loss variant of that family may be the faster one)
+    assert any(v.startswith("chosen") for f, v in verdicts.items() if "optimizer offload" in f)
 
 
 def test_a_workload_that_raises_is_one_clear_error():
@@ -516,5 +517,5 @@ def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_search
     assert (p.config.precision, p.config.offload_optimizer) == ("bf16-pure", True)
     verdicts = dict(p.families)
     assert verdicts["bf16, activation checkpointing all, optimizer offload"].startswith("does not fit")
-    assert any("bf16-pure searched with optimizer offload" in n for n in p.notes)
+    assert any("bf16-pure searched" in n and "with optimizer offload, fp32 master weights" in n for n in p.notes)
     assert p.estimate.device_peak_bytes <= resolve_budget("1.2GiB", get_device("h100"))
