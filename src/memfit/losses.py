@@ -59,9 +59,10 @@ def chunked_cross_entropy(run: Callable[[], Any], head: torch.nn.Module, labels:
             (transformers' causal-LM convention: the last position predicts nothing).
         logits: where the logits are in run()'s output (``lambda out: out.logits`` for transformers).
     """
-    placeholder: dict = {}
+    placeholder: dict = {"calls": 0}
 
     def skipped(hidden: torch.Tensor) -> torch.Tensor:
+        placeholder["calls"] += 1  # a head also used elsewhere (tied to the input embedding module) is refused
         placeholder["hidden"] = hidden
         # the logits' shape, no memory: every element is the same zero
         placeholder["out"] = hidden.new_zeros(()).expand(*hidden.shape[:-1], head.weight.shape[0])
@@ -72,9 +73,9 @@ def chunked_cross_entropy(run: Callable[[], Any], head: torch.nn.Module, labels:
         out = run()
     finally:
         del head.forward
-    if "out" not in placeholder or logits(out) is not placeholder["out"]:
+    if placeholder["calls"] != 1 or logits(out) is not placeholder["out"]:
         raise LossChunkError(f"the loss cannot be chunked: {type(head).__name__} is not used once to make the "
-                          "logits, or the model changes them after it (scales, caps or slices them)")
+                             "logits, or the model changes them after it (scales, caps or slices them)")
     hidden = placeholder["hidden"]
     if shift:
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
