@@ -45,7 +45,8 @@ def _workload(args):
 
 
 _LORA_HELP = ("fine-tune with LoRA (peft): base frozen, adapters trained; r=16,alpha=32,targets=q_proj,v_proj,"
-              "dropout=0.05 (each optional; default r=8, peft's alpha and per-architecture targets, no dropout)")
+              "dropout=0.05 (each optional; default r=8, peft's alpha and per-architecture targets, no dropout; "
+              "targets=all-linear: every Linear layer)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:

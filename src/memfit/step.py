@@ -82,7 +82,7 @@ class TrainStep:
                     loss = self.workload.loss(model, micro)
                     if cfg.loss_chunks > 1 and not chunked_used():
                         raise LossChunkError(f"loss_chunks={cfg.loss_chunks}: {self.workload.name}'s loss does not "
-                                          "compute its cross-entropy with memfit.losses.chunked_cross_entropy")
+                                             "compute its cross-entropy with memfit.losses.chunked_cross_entropy")
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
                 self._enter("backward")

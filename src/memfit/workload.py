@@ -22,7 +22,9 @@ class Workload:
         batch: ``n -> batch`` of n samples: a tensor, or a tuple / list / dict of tensors (nested), samples
             along dim 0. A run seeds torch's RNG per step before calling it, so a resumed run sees the same data.
         loss: ``(model, batch) -> scalar tensor``, mean-reduced over the samples of the batch: memfit weights
-            each micro-batch's loss by its share of the global batch, so accumulation keeps the math.
+            each micro-batch's loss by its share of the global batch, so accumulation keeps the math. A
+            language model's loss written with `memfit.losses.chunked_cross_entropy` can also be computed in
+            chunks of tokens (``Config.loss_chunks``).
         optimizer: ``params -> torch.optim.Optimizer`` (default: AdamW, lr 1e-3).
         name: what tables, run folders and checkpoints call the job; a resume checks it.
         data: optional map-style ``torch.utils.data.Dataset``: a run then draws its global batches from it

@@ -86,7 +86,8 @@ def lora(workload: Workload, r: int = 8, alpha: float | None = None, targets: It
         r: the adapters' rank.
         alpha: LoRA's alpha (default: peft's, 8).
         targets: module names (the last part, e.g. ``["q_proj", "v_proj"]``) to adapt, or a comma-separated
-            string; ``"all-linear"``: every Linear layer (peft's; a transformers model's output head excepted). Default: peft's choice for the transformers architecture (q_proj and v_proj for Llama,
+            string; ``"all-linear"``: every Linear layer (peft's; a transformers model's output head
+            excepted). Default: peft's choice for the transformers architecture (q_proj and v_proj for Llama,
             c_attn for GPT-2); a model that is not a transformers one must name them.
         dropout: dropout on the adapters' input (default 0: peft then adds no dropout at all).
 
