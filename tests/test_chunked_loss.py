@@ -12,6 +12,7 @@ from memfit.losses import chunked_cross_entropy, loss_chunks
 from memfit.planner.search import LOSS_CHUNKS, plan
 from memfit.step import TrainStep
 from memfit.workloads import load_workload
+from runs import whole_and_resumed
 from truth import real_step_peak
 
 
@@ -87,11 +88,6 @@ def test_the_planner_chunks_the_loss_when_that_lets_a_larger_micro_batch_fit():
 
 def test_a_resumed_run_ends_bit_identical(tmp_path):
     wl, config = load_workload("gpt-tiny"), Config(micro_batch=8, loss_chunks=4, optimizer_in_backward=True)
-    whole = memfit.train(wl, 4, 8, config=config, schedule="constant", deterministic=True, progress=False,
-                         out=tmp_path / "whole")
-    memfit.train(wl, 2, 8, config=config, schedule="constant", deterministic=True, checkpoint_every=2,
-                 progress=False, out=tmp_path / "part")
-    resumed = memfit.train(wl, 4, 8, config=config, schedule="constant", resume=True, progress=False,
-                           out=tmp_path / "part")
+    whole, resumed = whole_and_resumed(tmp_path, wl, config)
     assert resumed.config.loss_chunks == 4
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()

@@ -13,6 +13,7 @@ from memfit.planner.search import plan
 from memfit.step import TrainStep
 from memfit.strategies.optimizer_8bit import BLOCK, MIN_SIZE, STEPS, dequantize, eight_bit, quantize
 from memfit.workloads import load_workload
+from runs import whole_and_resumed
 from truth import real_step_peak
 
 
@@ -110,11 +111,6 @@ def test_the_planner_uses_it_only_when_allowed():
 def test_a_resumed_bf16_pure_run_ends_bit_identical(tmp_path):
     """bf16 parameters: torch's loader would cast the fp32 block scales to bf16; they come back as saved."""
     wl, config = load_workload("gpt-tiny"), Config(micro_batch=8, precision="bf16-pure", optimizer_8bit=True)
-    whole = memfit.train(wl, 4, 8, config=config, schedule="constant", deterministic=True, progress=False,
-                         out=tmp_path / "whole")
-    memfit.train(wl, 2, 8, config=config, schedule="constant", deterministic=True, checkpoint_every=2,
-                 progress=False, out=tmp_path / "part")
-    resumed = memfit.train(wl, 4, 8, config=config, schedule="constant", resume=True, progress=False,
-                           out=tmp_path / "part")
+    whole, resumed = whole_and_resumed(tmp_path, wl, config)
     assert resumed.config.optimizer_8bit
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()

@@ -9,6 +9,7 @@ from memfit import Config
 from memfit.runtime.run import recovery_ladder
 from memfit.step import TrainStep
 from memfit.workloads import load_workload
+from runs import whole_and_resumed
 from truth import real_step_peak
 
 
@@ -68,12 +69,7 @@ def test_oom_recovery_keeps_one_micro_batch():
 
 def test_a_resumed_run_ends_bit_identical(tmp_path):
     wl, config = load_workload("gpt-tiny"), Config(micro_batch=8, optimizer_in_backward=True)
-    whole = memfit.train(wl, 4, 8, config=config, schedule="constant", deterministic=True, progress=False,
-                         out=tmp_path / "whole")
-    memfit.train(wl, 2, 8, config=config, schedule="constant", deterministic=True, checkpoint_every=2,
-                 progress=False, out=tmp_path / "part")
-    resumed = memfit.train(wl, 4, 8, config=config, schedule="constant", resume=True, progress=False,
-                           out=tmp_path / "part")
+    whole, resumed = whole_and_resumed(tmp_path, wl, config)
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()
     assert [m["loss"] for m in whole.metrics if "loss" in m] == [m["loss"] for m in resumed.metrics if "loss" in m]
 

@@ -160,19 +160,18 @@ class Config:
         if ck != "none":
             what = ",".join(ck) if isinstance(ck, tuple) else f"1 block in {ck}" if isinstance(ck, int) else ck
             parts.append(f"activation checkpointing {what}")
-        if self.offload_activations:
-            parts.append("activation offload")
-        if self.offload_optimizer:
-            parts.append("optimizer offload")
-        if self.optimizer_in_backward:
-            parts.append("optimizer in backward")
-        if self.loss_chunks > 1:
-            parts.append(f"loss in {self.loss_chunks} chunks")
-        if self.optimizer_8bit:
-            parts.append("8-bit optimizer states (changes the math)")
+        parts += self.techniques()
         if self.gpus > 1:
             parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
         return ", ".join(parts)
+
+    def techniques(self) -> list[str]:
+        """The strategies beyond precision and checkpointing, in words (`describe`, the planner's families)."""
+        named = [(self.offload_activations, "activation offload"), (self.offload_optimizer, "optimizer offload"),
+                 (self.optimizer_in_backward, "optimizer in backward"),
+                 (self.loss_chunks > 1, f"loss in {self.loss_chunks} chunks"),
+                 (self.optimizer_8bit, "8-bit optimizer states (changes the math)")]
+        return [words for on, words in named if on]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

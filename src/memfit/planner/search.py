@@ -353,17 +353,7 @@ def _family_name(cfg: Config) -> str:
     parts = [cfg.precision, f"activation checkpointing {cfg.activation_checkpoint}"]
     if cfg.gpus > 1:
         parts.insert(0, cfg.data_parallel)
-    if cfg.offload_activations:
-        parts.append("activation offload")
-    if cfg.offload_optimizer:
-        parts.append("optimizer offload")
-    if cfg.optimizer_in_backward:
-        parts.append("optimizer in backward")
-    if cfg.loss_chunks > 1:
-        parts.append(f"loss in {cfg.loss_chunks} chunks")
-    if cfg.optimizer_8bit:
-        parts.append("8-bit optimizer states (changes the math)")
-    return ", ".join(parts)
+    return ", ".join(parts + cfg.techniques())
 
 
 def check_batches(global_batch: int, micro_batch: int | None) -> None:
