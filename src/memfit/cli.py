@@ -81,6 +81,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                         "(same math; language models: memfit's GPT, transformers' causal LMs)")
     p.add_argument("--optimizer-8bit", action="store_true",
                    help="Adam's moments in 8 bits, block-wise scaled (2 bytes a parameter instead of 8; changes the math)")
+    p.add_argument("--base-4bit", action="store_true",
+                   help="QLoRA: the frozen Linear layers' weights in 4-bit NF4 (0.52 bytes a weight; with --lora; "
+                        "changes the math)")
     p.add_argument("--gpus", type=int, default=1,
                    help="data-parallel ranks; every memory figure is per rank (default: %(default)s)")
     p.add_argument("--data-parallel", choices=LAYOUTS,
@@ -108,7 +111,8 @@ def _config_json(text: str) -> Config:
 
 
 _ALLOW_HELP = ("techniques that change the math, searched with the rest when named (comma-separated): 8bit-optim "
-               "(Adam's moments in 8 bits), lora (r=16, alpha=32 adapters, the base frozen)")
+               "(Adam's moments in 8 bits), lora (r=16, alpha=32 adapters, the base frozen), qlora (lora, and the "
+               "base's weights in 4 bits too)")
 
 
 def _allow(text: str | None) -> tuple[str, ...]:
@@ -127,7 +131,7 @@ def _config(args, device=None) -> Config:
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  optimizer_8bit=args.optimizer_8bit, loss_chunks=args.loss_chunks, gpus=args.gpus,
+                  optimizer_8bit=args.optimizer_8bit, base_4bit=args.base_4bit, loss_chunks=args.loss_chunks, gpus=args.gpus,
                   data_parallel=layout, gpus_per_node=per_node)
 
 
@@ -303,10 +307,10 @@ def cmd_train(args) -> int:
 
     _check_counts(args, "gpus")
     allow = _allow(args.allow)
-    if "lora" in allow:
+    if {"lora", "qlora"} & set(allow):
         from memfit.planner.search import lora_flag
-        raise ConfigError(f"train runs one model: a LoRA plan (memfit plan --allow lora) is trained with "
-                          f"--lora {lora_flag()} (the options the plan names)")
+        raise ConfigError(f"train runs one model: a LoRA plan (memfit plan --allow lora or qlora) is trained with "
+                          f"--lora {lora_flag()} (the options the plan names; --base-4bit for QLoRA's)")
     config = _config_json(args.config) if args.config else None
     if config is not None and config.gpus != args.gpus:
         raise ConfigError(f"--config is for {config.gpus} GPU(s); --gpus is {args.gpus}")

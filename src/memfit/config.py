@@ -38,6 +38,9 @@ class Config:
             written with `memfit.losses.chunked_cross_entropy` (memfit's GPT, transformers' causal LMs).
         optimizer_8bit: Adam's two moments in 8 bits a value, block-wise scaled (2 bytes a parameter instead
             of 8; strategies/optimizer_8bit.py). Changes the math: the planner offers it only when allowed.
+        base_4bit: the frozen Linear layers' weights stored in 4-bit NF4 with double quantization (QLoRA's
+            base; 0.52 bytes a weight; strategies/base_4bit.py), for a LoRA workload. Changes the math: the
+            planner offers it only when allowed.
         gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
         data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (DistributedDataParallel:
             every rank holds all of it; its gradients live in DDP's buckets (``gradient_as_bucket_view``),
@@ -64,6 +67,7 @@ class Config:
     offload_optimizer: bool = False
     optimizer_in_backward: bool = False
     optimizer_8bit: bool = False
+    base_4bit: bool = False
     loss_chunks: int = 1
     gpus: int = 1
     data_parallel: str = "none"
@@ -124,6 +128,8 @@ class Config:
             raise ConfigError("offload with data_parallel is not supported yet")
         if self.fsdp and self.optimizer_8bit:
             raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
+        if self.fsdp and self.base_4bit:
+            raise ConfigError("4-bit base weights are not built with FSDP's sharded parameters yet: use ddp")
         if self.fsdp and self.loss_chunks > 1:
             raise ConfigError("a chunked loss calls the LM head after FSDP's root forward has resharded it: not "
                               "built with FSDP yet, use ddp")
@@ -170,7 +176,8 @@ class Config:
         named = [(self.offload_activations, "activation offload"), (self.offload_optimizer, "optimizer offload"),
                  (self.optimizer_in_backward, "optimizer in backward"),
                  (self.loss_chunks > 1, f"loss in {self.loss_chunks} chunks"),
-                 (self.optimizer_8bit, "8-bit optimizer states (changes the math)")]
+                 (self.optimizer_8bit, "8-bit optimizer states (changes the math)"),
+                 (self.base_4bit, "4-bit NF4 base weights (changes the math)")]
         return [words for on, words in named if on]
 
     def to_dict(self) -> dict:

@@ -38,7 +38,8 @@ class TrainStep:
         self.cuda_target = cuda_target
         if self.device.type == "cuda":
             check_precision(config, torch.cuda.get_device_name(self.device), torch.cuda.is_bf16_supported())
-        with self.device:
+        # a 4-bit base is quantized layer by layer on its way to the GPU (strategies/base_4bit.py)
+        with torch.device("cpu") if config.base_4bit and self.device.type == "cuda" else self.device:
             model = workload.model()
         if not isinstance(model, torch.nn.Module):
             raise WorkloadError(f"workload.model() returned {type(model).__name__}, not an nn.Module")

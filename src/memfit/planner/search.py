@@ -389,13 +389,13 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     allowed = check_allow(allow)
-    if "lora" in allowed and "+lora:" not in workload.name:
-        return _full_or_lora(workload, global_batch, dict(
+    adapted = "+lora:" in workload.name
+    if allowed & {"lora", "qlora"} and not adapted:
+        return _full_or_lora(workload, global_batch, allowed, dict(
             budget=budget, device=dev, precision=precision, micro_batch=micro_batch,
             activation_checkpoint=activation_checkpoint, offload_activations=offload_activations,
             offload_optimizer=offload_optimizer, profile=profile, confirm=confirm, gpus=gpus,
-            data_parallel=data_parallel, gpus_per_node=gpus_per_node, allow=allowed - {"lora"},
-            host_memory=host_memory))
+            data_parallel=data_parallel, gpus_per_node=gpus_per_node, host_memory=host_memory))
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
     per_rank = global_batch // gpus
     budget_bytes = resolve_budget(budget, dev)
@@ -437,20 +437,25 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if bf16_pure_too:
         variants += [("bf16-pure", act, opt) for act, opt in offloads]
     eights = (False, True) if "8bit-optim" in allowed else (False,)
+    fours = (False, True) if "qlora" in allowed and adapted else (False,)
     fsdp = ("fsdp", "fsdp-no-reshard", "hsdp")
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
-                    offload_optimizer=opt, optimizer_8bit=eight, loss_chunks=chunks, gpus=gpus, data_parallel=layout,
-                    gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
+                    offload_optimizer=opt, optimizer_8bit=eight, base_4bit=four, loss_chunks=chunks, gpus=gpus,
+                    data_parallel=layout, gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
              for layout in layouts for p, act, opt in variants for ck in checkpoints for eight in eights
+             for four in fours
              # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
              for chunks in ((1, LOSS_CHUNKS) if ck == "all" and layout not in fsdp else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)
-             and not (eight and layout in fsdp)]
+             and not ((eight or four) and layout in fsdp)]
     if "8bit-optim" in allowed:
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
                      "instead of 8; not with FSDP's sharded parameters yet")
+    if "qlora" in allowed and adapted:
+        notes.append("4-bit base weights allowed (they change the math): the frozen Linear layers in NF4 with double "
+                     "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight; not with FSDP yet")
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
     smallest_need: dict[str, int] = {}
@@ -625,7 +630,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 confirmed=best.confirmed)
 
 
-ALLOW = ("8bit-optim", "lora")  # what `allow` may name: 8-bit optimizer states, LoRA (they change the math)
+# what `allow` may name (they change the math): 8-bit optimizer states, LoRA, QLoRA (LoRA on a 4-bit base; it
+# allows LoRA's bf16 base too)
+ALLOW = ("8bit-optim", "lora", "qlora")
 LORA = dict(r=16, alpha=32, targets="all-linear")  # the adapters a plan allowed LoRA tries (QLoRA's choice of layers)
 
 
@@ -638,15 +645,17 @@ def check_allow(allow) -> frozenset:
     return allowed
 
 
-def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
-    """The faster of the full fine-tune's plan and LoRA's (LORA's adapters), each said in the other's notes."""
+def _full_or_lora(workload: Workload, global_batch: int, allowed: frozenset, options: dict) -> Plan:
+    """The faster of the full fine-tune's plan and LoRA's (LORA's adapters; with qlora, on a 4-bit base too),
+    each said in the other's notes."""
     from memfit.workloads.lora import lora
 
     adapted = lora(workload, **LORA)
     plans, why = {}, {}
     for kind, wl in (("full fine-tune", workload), ("LoRA", adapted)):
         try:
-            plans[kind] = plan(wl, global_batch, **options)
+            plans[kind] = plan(wl, global_batch, allow=allowed - {"lora", "qlora"} if wl is workload else allowed,
+                               **options)
         except (PlanError, WorkloadError) as e:  # (a model peft cannot adapt: planned without LoRA)
             if kind != "LoRA" and not isinstance(e, PlanError):
                 raise
@@ -662,9 +671,11 @@ def _full_or_lora(workload: Workload, global_batch: int, options: dict) -> Plan:
     else:
         said = f"{other} does not fit: {why[other]}"
     if kind == "LoRA":
-        best.notes.insert(0, f"LoRA allowed (it changes the math: the base is frozen, only adapters train): "
+        four = best.config.base_4bit
+        best.notes.insert(0, f"{'QLoRA' if four else 'LoRA'} allowed (it changes the math: the base is frozen"
+                             f"{' and its Linear weights in 4 bits' if four else ''}, only adapters train): "
                              f"adapters of rank {LORA['r']} (alpha {LORA['alpha']}) on every Linear layer of the "
-                             f"blocks; train it with --lora {lora_flag()}")
+                             f"blocks; train it with --lora {lora_flag()}{' --base-4bit' if four else ''}")
     best.notes.insert(1 if kind == "LoRA" else 0, f"LoRA allowed; {said}")
     return best
 
@@ -721,8 +732,10 @@ def _count_free(cfg: Config) -> tuple:
 
 
 def _state_key(cfg: Config) -> tuple:
-    """What decides a family's state floor: precision, optimizer offload, the layout across ranks."""
-    return cfg.precision, cfg.offload_optimizer, cfg.optimizer_8bit, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node
+    """What decides a family's state floor: precision, optimizer offload, 8-bit states, a 4-bit base, the layout
+    across ranks."""
+    return (cfg.precision, cfg.offload_optimizer, cfg.optimizer_8bit, cfg.base_4bit, cfg.gpus, cfg.data_parallel,
+            cfg.gpus_per_node)
 
 
 def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth: int | None) -> list:

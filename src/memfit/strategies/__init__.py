@@ -1,9 +1,9 @@
 """Memory-saving strategies, each in its own module.
 
-Order: precision casts the weights, checkpointing wraps the repeated blocks, then data parallelism shards
-them across ranks (apply_model_strategies);
-TrainStep then builds the optimizer (with 8-bit moments when asked), puts optimizer offload (or the optimizer step in backward) around the optimizer and activation
-offload around each forward;
+Order: 4-bit base weights replace the frozen Linear layers (QLoRA), precision casts the weights, checkpointing
+wraps the repeated blocks, then data parallelism shards them across ranks (apply_model_strategies);
+TrainStep then builds the optimizer (with 8-bit moments when asked), puts optimizer offload (or the optimizer
+step in backward) around the optimizer and activation offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from memfit.config import Config
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.base_4bit import apply_base_4bit, check_base_4bit
 from memfit.strategies.data_parallel import apply_data_parallel, data_parallel_buffers
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.optimizer_8bit import eight_bit
@@ -25,10 +26,12 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
-    """The fixed order: 1. precision of the weights, 2. activation checkpointing of repeated blocks,
-    3. data parallelism. Everything that can fail is resolved first, so a bad configuration leaves the
-    model untouched."""
+    """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. activation checkpointing of
+    repeated blocks, 4. data parallelism. Everything that can fail is resolved first, so a bad configuration
+    leaves the model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
+    if config.base_4bit:
+        apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
     model = apply_checkpointing(model, blocks, selective=config.activation_checkpoint == "selective")
     return apply_data_parallel(model, config, device)
