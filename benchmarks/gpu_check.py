@@ -98,6 +98,9 @@ def all_cases() -> list[dict]:
               needs="transformers", hf_config=TINYLLAMA_CONFIG, activation_checkpoint="all", loss_chunks=8),
         _case("gpt-1b seq2048 mb2 bf16-pure ckpt-all in-backward 8-bit-states", "gpt-1b", {"seq": 2048}, 2,
               "bf16-pure", activation_checkpoint="all", optimizer_in_backward=True, optimizer_8bit=True),
+        _case("hf:tinyllama qlora-r16 all-linear seq2048 mb4 bf16 ckpt-all", "hf:<config.json>", {"seq": 2048}, 4,
+              "bf16", needs="transformers", hf_config=TINYLLAMA_CONFIG,
+              lora={"r": 16, "alpha": 32, "targets": "all-linear"}, activation_checkpoint="all", base_4bit=True),
     ]
 
 

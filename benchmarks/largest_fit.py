@@ -1,4 +1,4 @@
-"""The largest Llama-shaped model each technique fits on an RTX 4090, an A100 80GB and an H100 (issue 14).
+"""The largest Llama-shaped model each technique fits on an RTX 4090, an L40S, an A100 80GB and an H100 (issue 14).
 
     python benchmarks/largest_fit.py [--out benchmarks/results/largest_fit.json]    # about 10 minutes, 2 cores
 
@@ -11,7 +11,10 @@ H100 target; the other cards differ only by their CUDA context, added as the cat
 - full fine-tune, optimizer offloaded: the same with fp32 master weights and AdamW on the host (bf16 compute,
   fp32 update); the host memory it needs is listed;
 - full fine-tune, 8-bit states: as the first, with AdamW's moments in 8 bits (changes the math);
-- LoRA: bf16 base frozen, rank-16 adapters on every Linear layer of the blocks.
+- LoRA: bf16 base frozen, rank-16 adapters on every Linear layer of the blocks;
+- QLoRA: the same on a 4-bit NF4 base (double quantization), QLoRA's layout (changes the math).
+
+LLaMA-33B and LLaMA-65B are the QLoRA paper's models (33B on 24 GB, 65B on 48 GB: the L40S is the 48 GB card).
 
 A size is tried only when its weights, gradients and optimizer state alone fit the largest card (80 GB).
 A model "fits" a card when the estimate's device peak (nvidia-smi's view) is within 95% of its memory, the
@@ -48,8 +51,12 @@ MODELS = [  # name, parameters (billions), config.json values
                              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)),
     ("Llama-2-13B", 13.0, dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                               num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False)),
+    ("LLaMA-33B", 32.5, dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
+                            num_key_value_heads=52, vocab_size=32000, tie_word_embeddings=False)),
     ("CodeLlama-34B", 33.7, dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48, num_attention_heads=64,
                                 num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)),
+    ("LLaMA-65B", 65.3, dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=80, num_attention_heads=64,
+                            num_key_value_heads=64, vocab_size=32000, tie_word_embeddings=False)),
     ("Llama-3-70B", 70.6, dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)),
 ]
@@ -59,8 +66,9 @@ TECHNIQUES = [  # name, configuration, LoRA
     ("full fine-tune, optimizer offloaded", BASE.replace(offload_optimizer=True), False),
     ("full fine-tune, 8-bit states", BASE.replace(optimizer_in_backward=True, optimizer_8bit=True), False),
     ("LoRA r=16, bf16 base", BASE, True),
+    ("QLoRA r=16, 4-bit base", BASE.replace(base_4bit=True), True),
 ]
-DEVICES = ["rtx-4090", "a100-80gb", "h100"]
+DEVICES = ["rtx-4090", "l40s", "a100-80gb", "h100"]
 SHARE = 0.95
 PUBLISHED = [
     "torchtune: Llama 3.1 8B full fine-tune on one RTX 4090 at 18.9 GiB peak (bf16, optimizer step in backward, "
