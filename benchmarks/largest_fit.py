@@ -1,6 +1,7 @@
 """The largest Llama-shaped model each technique fits on an RTX 4090, an L40S, an A100 80GB and an H100 (issue 14).
 
-    python benchmarks/largest_fit.py [--out benchmarks/results/largest_fit.json]    # about 10 minutes, 2 cores
+    python benchmarks/largest_fit.py [--out benchmarks/results/largest_fit.json]    # about 40 minutes, 2 cores
+    python benchmarks/largest_fit.py --only "QLoRA r=16, 4-bit base,LLaMA-33B"     # one column, one row: redone
 
 Each model is transformers' LlamaForCausalLM built from the published config.json values (no download), one
 sample of 2,048 tokens a step, in the least-memory configuration of each technique (memfit's estimate for an
@@ -77,10 +78,28 @@ PUBLISHED = [
 ]
 
 
+def _on_cards(row: dict, h100_peak: int) -> None:
+    """Each card's need and verdict from the H100 estimate: the cards differ only by their CUDA context."""
+    h100 = get_device("h100")
+    need = {d: h100_peak - h100.context_bytes + get_device(d).context_bytes for d in DEVICES}
+    row.update(device_peak=need, fits={d: need[d] <= SHARE * get_device(d).memory_bytes for d in DEVICES})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results" / "largest_fit.json"))
+    ap.add_argument("--only", help="estimate only these techniques and models (comma-separated names, either kind); "
+                                   "the other rows are kept from --out, their cards' verdicts redone")
     args = ap.parse_args()
+    only = {n.strip() for n in args.only.split(",")} if args.only else None
+    kept = {}
+    if only and Path(args.out).is_file():
+        for row in json.loads(Path(args.out).read_text())["rows"]:
+            if "device_peak" in row:
+                _on_cards(row, row["device_peak"]["h100"])
+            else:
+                row["fits"] = {d: False for d in DEVICES}
+            kept[row["model"], row["technique"]] = row
     h100 = get_device("h100")
     largest = max(get_device(d).memory_bytes for d in DEVICES)
     rows = []
@@ -90,6 +109,9 @@ def main() -> None:
             path.write_text(json.dumps({**LLAMA, **values}))
             base = load_workload(f"hf:{path}", seq=2048)
             for technique, config, adapted in TECHNIQUES:
+                if only and (name, technique) in kept and not {name, technique} & only:
+                    rows.append(kept[name, technique])
+                    continue
                 wl = lora(base, r=16, alpha=32, targets="all-linear") if adapted else base
                 row = dict(model=name, billions=billions, technique=technique)
                 floor = state_bytes(wl, config.replace(activation_checkpoint="none"), h100)
@@ -100,10 +122,9 @@ def main() -> None:
                     continue
                 t0 = time.perf_counter()
                 est = memfit.estimate(wl, config, device=h100)
-                need = {d: est.device_peak_bytes - h100.context_bytes + get_device(d).context_bytes for d in DEVICES}
-                row.update(device_peak=need, host_peak=est.host_peak_bytes, seconds=round(time.perf_counter() - t0, 1),
-                           fits={d: need[d] <= SHARE * get_device(d).memory_bytes for d in DEVICES})
-                print(f"{name:14} {technique:36} {need['h100'] / 2**30:6.1f} GiB on an H100"
+                _on_cards(row, est.device_peak_bytes)
+                row.update(host_peak=est.host_peak_bytes, seconds=round(time.perf_counter() - t0, 1))
+                print(f"{name:14} {technique:36} {row['device_peak']['h100'] / 2**30:6.1f} GiB on an H100"
                       + (f", host {est.host_peak_bytes / 2**30:.0f} GiB" if est.host_peak_bytes else "")
                       + f" ({row['seconds']} s)", flush=True)
                 rows.append(row)

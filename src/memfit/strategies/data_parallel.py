@@ -31,7 +31,6 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from memfit.config import Config
 from memfit.errors import ConfigError
@@ -75,6 +74,8 @@ def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.de
             replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_BYTES / 2**20)
         return model
     mesh = device_mesh(config, device)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported when used: ~0.6 s
+
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if config.precision == "bf16" else MixedPrecisionPolicy())
     modules = dict(model.named_modules())
