@@ -363,8 +363,10 @@ def test_oom_recovery_keeps_the_math(tmp_path):
     G = 8
     wl = models.gpt_sdpa(layers=1)  # RoPE + SDPA, AdamW; no dropout: a redone step draws nothing random
     assert not any(isinstance(m, torch.nn.Dropout) for m in wl.model().modules())
-    p8 = memfit.estimate(wl, Config(micro_batch=8, grad_accum=1)).peak_bytes
-    p2 = memfit.estimate(wl, Config(micro_batch=2, grad_accum=4)).peak_bytes
+    # traced in this process: twice in full-suite runs (never alone) the forked child that traces right after
+    # the real build above died with SIGSEGV (an OpenMP pool forked mid-spin, it seems; not understood)
+    p8 = memfit.estimate(wl, Config(micro_batch=8, grad_accum=1), isolate=False).peak_bytes
+    p2 = memfit.estimate(wl, Config(micro_batch=2, grad_accum=4), isolate=False).peak_bytes
     assert p2 < p8
     budget = (p8 + p2) // 2
 
