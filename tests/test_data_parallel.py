@@ -145,9 +145,10 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
     peak); each measures
     its own peak with the CPU allocator's running total (benchmarks/truth.py). gloo's worker thread can
     release a collective's tensors late, on one rank or on both, which only ever adds to a peak
-    (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to three runs (a run that
+    (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to five runs (a run that
     already agrees ends the search; the minimum can only come down towards the race-free peak, so an
-    estimate above it still fails)."""
+    estimate above it still fails, and one below it too). Three runs were not always enough in a full suite:
+    once all three were 3.2% above the estimate."""
     from truth import rank_step_peaks
 
     wl = builtin("gpt-tiny")
@@ -155,7 +156,7 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
                  activation_checkpoint=checkpoint)
     est = memfit.estimate(wl, cfg)
     lowest = min(rank_step_peaks(wl, cfg))
-    for _ in range(2):
+    for _ in range(4):
         if est.peak_bytes == pytest.approx(lowest, rel=0.01):
             break
         lowest = min(lowest, *rank_step_peaks(wl, cfg))

@@ -131,8 +131,8 @@ def _config(args, device=None) -> Config:
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  optimizer_8bit=args.optimizer_8bit, base_4bit=args.base_4bit, loss_chunks=args.loss_chunks, gpus=args.gpus,
-                  data_parallel=layout, gpus_per_node=per_node)
+                  optimizer_8bit=args.optimizer_8bit, base_4bit=args.base_4bit, loss_chunks=args.loss_chunks,
+                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
 
 
 def _check_counts(args, *names: str) -> None:
