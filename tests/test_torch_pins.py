@@ -23,7 +23,15 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
+    pinned |= {"import_dynamo"}  # forked tracing children inherit it
     assert set(ti.__all__) == pinned
+
+
+def test_dynamo_imports_as_fake_tracing_needs():
+    import sys
+
+    ti.import_dynamo()
+    assert "torch._dynamo" in sys.modules
 
 
 def test_fake_tensors_have_storages_with_stable_identity_and_finalisers():

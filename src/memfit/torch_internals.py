@@ -19,7 +19,7 @@ from memfit.errors import EstimateError
 __all__ = ["autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException",
            "ddp_bucket_assignment", "detach_sharing_version", "fake_constant", "fake_constants_up_to",
            "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "grad_scaler_tensors",
-           "held_by", "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz",
+           "held_by", "import_dynamo", "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz",
            "profiler_allocations", "profiler_call_allocations",
            "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key",
            "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
@@ -30,6 +30,12 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 # What fake tensors raise for an op whose output shape (nonzero, bincount) or value (`.item()`) needs data;
 # `unset_fake_temporarily()` runs real ops on real tensors inside a fake trace (memory/routing.py).
 DATA_DEPENDENT_ERRORS = (DynamicOutputShapeException, DataDependentOutputException)
+
+
+def import_dynamo() -> None:
+    """Import torch._dynamo, which fake tracing imports on first use (~1 s): done once in a parent, every
+    forked tracing child inherits it."""
+    import torch._dynamo  # noqa: F401
 
 
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:

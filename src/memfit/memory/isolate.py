@@ -15,6 +15,7 @@ from typing import Callable, TypeVar
 import torch
 
 from memfit.errors import EstimateError
+from memfit.torch_internals import import_dynamo
 from memfit.units import fmt_bytes
 
 T = TypeVar("T")
@@ -33,7 +34,7 @@ def run_isolated(fn: Callable[[], T]) -> T:
 def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[tuple[str, object]]:
     """Run each fn in its own forked child, `workers` at a time (fake tracing is single-threaded Python,
     so children use the cores in parallel). Returns ("ok", result) or ("error", exception) per fn."""
-    import torch._dynamo  # noqa: F401 - fake tracing imports it on first use (~1 s): once here, not in every child
+    import_dynamo()  # fake tracing imports it on first use (~1 s): once here, not in every child
     workers = workers or os.cpu_count() or 1
     results: list = [None] * len(fns)
     running: dict[int, tuple[int, str]] = {}
