@@ -6,12 +6,14 @@ Blocks are found, not declared: the repeated modules inside `nn.ModuleList` / `n
 "selective" checkpoints every block but keeps the outputs of matmuls and attention (expensive to redo)
 and recomputes only the cheap pointwise ops around them; a kept output goes to the recomputed call that
 computes the same op on the same values (`_Names`), so a block may run its ops a different number of
-times when recomputed. Not seen by any trace: checkpoint() keeps a copy of the CPU RNG state (5,056
-bytes) per checkpointed block call, made outside the dispatcher.
+times when recomputed. checkpoint() also keeps a copy of the CPU RNG state (5,056 bytes) per checkpointed
+block call until the recomputation, made outside the dispatcher where no dispatch mode sees it; a fake trace
+holds a stand-in of that size for as long (`_recompute_context`).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import weakref
@@ -21,7 +23,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
 
 from memfit.config import ConfigError
-from memfit.torch_internals import TorchDispatchMode, detach_sharing_version, storage_key, tensor_version, tree_leaves
+from memfit.strategies.offload import host_side
+from memfit.torch_internals import (FakeTensor, TorchDispatchMode, detach_sharing_version, storage_key, tensor_version,
+                                    tree_leaves)
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -194,16 +198,33 @@ def _without_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
-def _contexts():
-    kept: dict = {}
-    return _Keep(kept), _Reuse(kept)
+@functools.cache
+def _rng_state_bytes() -> int:
+    return torch.get_rng_state().numel()
+
+
+def _contexts(selective: bool, traced: bool):
+    """checkpoint()'s context_fn. Its recompute context lives exactly as long as the copy of the CPU RNG state
+    checkpoint() takes beside it (both are held by the recomputation's closure until the block's backward
+    has run). That copy is made outside the dispatcher; in a fake trace the recompute context holds a
+    stand-in of its size, made in host memory, so that the trace counts the copy where the step keeps it
+    (the device, for a CPU target; the host, for a GPU one)."""
+    if selective:
+        kept: dict = {}
+        forward, recompute = _Keep(kept), _Reuse(kept)
+    else:
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    if traced:
+        with host_side():
+            recompute.rng_state_copy = torch.empty(_rng_state_bytes(), dtype=torch.uint8)
+    return forward, recompute
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
     args, kwargs = _without_cache(forward, args, kwargs)
-    if selective:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    traced = any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs)))
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(_contexts, selective, traced), **kwargs)
 
 
 def apply_checkpointing(model: torch.nn.Module, names: list[str], selective: bool) -> torch.nn.Module:
