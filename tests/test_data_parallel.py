@@ -194,8 +194,8 @@ def test_training_on_ranks_equals_one_process(n, layout):
 
 def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
     """`memfit train --gpus 2` starts two ranks with torchrun (gloo); rank 0 writes the run folder. Resumed
-    on one process from its step-2 checkpoint (each rank's shards gathered by PyTorch's state-dict engine),
-    the loss curve is the uninterrupted one-process run's."""
+    on one process from its step-2 checkpoint (each rank's shards written by DCP and resharded to one process
+    by it), the loss curve is the uninterrupted one-process run's."""
     from memfit.runtime.run import train
 
     common = ["gpt-tiny", "--global-batch", "16", "--micro-batch", "4", "--schedule", "constant", "--no-progress"]
@@ -213,6 +213,58 @@ def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
     one = train(builtin("gpt-tiny"), 4, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
                 progress=False)
     assert resumed == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
+
+
+def _save_after_steps(run_dir, config: Config, steps: int):
+    """Train `steps` steps and checkpoint them (sharded, on every rank); the next step's loss and the full
+    weights after the checkpoint."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit.runtime import checkpoints as ckpt
+    from memfit.runtime.trainer import Trainer
+
+    trainer = Trainer(builtin("gpt-tiny"), config, seed=0, global_batch=16)
+    for _ in range(steps):
+        trainer.step()
+    path = ckpt.save_sharded(run_dir, steps, model=trainer.model, optimizer=trainer.optimizer, config=config)
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+               for n, p in trainer.model.named_parameters()}
+    return str(path), trainer.step(), weights
+
+
+def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp_path, capfd):
+    """Two FSDP ranks write their own shards with torch.distributed.checkpoint; rank 0 commits them with a
+    checksum per shard file. One process loads them back: the same weights, and the next step's loss equals
+    the ranks' (optimizer state included). A changed shard byte makes the checkpoint skipped, in one line."""
+    from truth import on_gloo_ranks
+
+    from memfit.runtime import checkpoints as ckpt
+    from memfit.runtime.trainer import Trainer
+
+    cfg = Config(micro_batch=4, grad_accum=2, gpus=2, data_parallel="fsdp")
+    results = on_gloo_ranks(2, lambda rank: _save_after_steps(tmp_path, cfg, 2))
+    (path, next_loss, weights), (other_path, other_loss, _) = results
+    assert path == other_path and next_loss == other_loss
+    shards = ckpt.shards_path(path)
+    assert sorted(f.name for f in ckpt.checkpoint_dir(tmp_path).iterdir()) == [
+        "step-00000002.dcp", "step-00000002.pt", "step-00000002.pt.sha256"]
+    state = ckpt.load_checkpoint(path)
+    assert state["model"] == {} and set(state["shards"]) == {f.name for f in shards.iterdir()}
+    one = Trainer(builtin("gpt-tiny"), Config(micro_batch=4, grad_accum=4), seed=0, global_batch=16)
+    ckpt.restore(state, model=one.model, optimizer=one.optimizer, path=path)
+    for name, p in one.model.named_parameters():
+        torch.testing.assert_close(p.detach(), torch.from_numpy(weights[name]), rtol=0, atol=0, msg=name)
+    one.step_count = 2
+    assert one.step() == pytest.approx(next_loss, rel=1e-5)
+
+    victim = max(shards.iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    capfd.readouterr()
+    assert ckpt.latest_checkpoint(tmp_path) is None
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"shard step-00000002.dcp/{victim.name} no longer matches" in err[0], err
 
 
 def test_collectives_are_priced_in_nccl_bus_bandwidth_terms():
@@ -290,7 +342,7 @@ def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_the_checkpoint
     assert launcher.returncode == 2
     assert err.strip().splitlines()[-1].startswith("memfit: error: 2 ranks ran; one or more exited")
     path, state = ckpt.load_latest(out)
-    assert state["named_state"] and state["step"] >= 2
+    assert state["shards"] and state["step"] >= 2
 
 
 def test_gpu_counts_and_a_plan_per_count():

@@ -21,6 +21,14 @@ checksums without a checkpoint are ignored by `latest_checkpoint` and removed by
 (one writer per run directory is assumed). A write that fails (disk full) or is interrupted (Ctrl-C) raises
 that error itself, not torch's ``unexpected pos``, and leaves the old set untouched.
 
+Sharded checkpoints (a run on several ranks, `save_sharded`): every rank writes its own shards of the model
+and optimizer states with PyTorch's distributed checkpoint engine (`torch.distributed.checkpoint.save`;
+nothing is gathered on one rank) into ``.step-00000042.dcp.<random>.tmp/``; the ranks hash its files between
+them; rank 0 renames the folder to ``step-00000042.dcp`` and then writes ``step-00000042.pt`` as above, with
+everything else and the size and SHA-256 of every shard file. That ``.pt`` is still the commit. A load
+checks every shard file against it, and `restore` has DCP reshard the states to the layout and world size
+of the run that resumes (4 ranks -> 2 -> 1 process).
+
 Loading uses ``torch.load(path, map_location="cpu", weights_only=True)``: no pickled code runs. Everything a
 checkpoint holds is therefore tensors, dicts, lists, tuples, ints, floats, strings, bools and None; the RNG
 states (Python's `random`, numpy's) are converted to tensors and plain types on save.
@@ -31,8 +39,10 @@ import hashlib
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -47,7 +57,8 @@ CHECKPOINT_SUBDIR = "checkpoints"
 _NAME_RE = re.compile(r"^step-(\d+)\.pt$")
 _SUM_RE = re.compile(r"^step-(\d+)\.pt\.sha256$")
 SUM_SUFFIX = ".sha256"
-_TMP_RE = re.compile(r"^\.step-\d+\.pt\..*\.tmp$")
+_TMP_RE = re.compile(r"^\.step-\d+\.(pt|dcp)\..*\.tmp$")
+_SHARDS_RE = re.compile(r"^step-(\d+)\.dcp$")
 
 # Components that wrappers insert into parameter names. "module." is only stripped as a leading component
 # (DataParallel / DistributedDataParallel wrap the whole model), because a real submodule may be called
@@ -65,6 +76,11 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step-{int(step):08d}.pt"
+
+
+def shards_path(path: str | os.PathLike) -> Path:
+    """The folder of a sharded checkpoint's model and optimizer shards: beside it, ``.dcp`` for ``.pt``."""
+    return Path(path).with_suffix(".dcp")
 
 
 def checksum_path(path: str | os.PathLike) -> Path:
@@ -247,7 +263,7 @@ def _check_plain(value, what: str, path: str = "") -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
                     data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None,
-                    run: Mapping | None = None, named_state: tuple[dict, dict] | None = None) -> Path:
+                    run: Mapping | None = None, shards: Mapping | None = None) -> Path:
     """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and its checksum, and return its path.
 
     `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
@@ -257,10 +273,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     complete, only the newest `keep` checkpoints (by step; the one just written is always kept) remain;
     ``keep=None`` keeps all. `optimizer_offload` is the engine's `OptimizerOffload` when the optimizer steps
     fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
-    own parameters are lower precision. `named_state`: the full model and optimizer states keyed by
-    parameter name (`torch.distributed.checkpoint.state_dict.get_state_dict`, gathered from every rank of a
-    sharded run), saved instead of `model` and `optimizer`'s own; `restore` loads such a checkpoint into a
-    model of any layout or world size.
+    own parameters are lower precision. `shards`: {file name: [bytes, sha256]} of the folder `save_sharded`
+    wrote the model and optimizer states to, recorded instead of them.
     """
     step = int(step)
     if step < 0:
@@ -278,9 +292,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "model": named_state[0] if named_state else model.state_dict(),
-        "optimizer": named_state[1] if named_state else optimizer.state_dict(),
-        "named_state": named_state is not None,
+        "model": {} if shards else model.state_dict(),
+        "optimizer": {} if shards else optimizer.state_dict(),
+        "shards": dict(shards) if shards else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "offload_master": ([m.detach() for m in optimizer_offload.master] if optimizer_offload is not None else None),
@@ -299,25 +313,83 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     return final
 
 
+def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler=None, config: Mapping | Any, data_state: Mapping | None = None, keep: int | None = 2,
+                 run: Mapping | None = None) -> Path:
+    """`save_checkpoint` for a run on several ranks, called by every rank: each writes its own shards of the
+    model and optimizer states with `torch.distributed.checkpoint.save`, so no rank ever holds the whole
+    state; rank 0 then commits the checkpoint (module docstring). Returns its path on every rank. An error on
+    any rank (a full disk) is raised on every rank, and leaves the previous checkpoints as they were."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = checkpoint_path(run_dir, step)
+    box = [f".{shards_path(final).name}.{uuid.uuid4().hex[:12]}.tmp"]
+    dist.broadcast_object_list(box, src=0)  # one folder for all ranks
+    tmp = checkpoint_dir(run_dir) / box[0]
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True)
+    error = None
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+        files = sorted(f.name for f in tmp.iterdir())  # complete on every rank: save() ends in a collective
+        mine = {f: [(tmp / f).stat().st_size, sha256_of(tmp / f)]
+                for i, f in enumerate(files) if i % dist.get_world_size() == dist.get_rank()}
+    except (OSError, dcp.CheckpointException) as e:  # DCP raises a failure on any rank on every rank
+        error, mine = e, {}
+    hashed = [None] * dist.get_world_size()
+    dist.all_gather_object(hashed, (None if error is None else f"{type(error).__name__}: {error}", mine))
+    failed = next((e for e, _ in hashed if e is not None), None)
+    if dist.get_rank() == 0 and failed is None:
+        try:
+            _fsync_tree(tmp)
+            shards = {f: sums for _, part in hashed for f, sums in part.items()}
+            target = shards_path(final)
+            shutil.rmtree(target, ignore_errors=True)  # a stale folder of a save killed before its commit
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
+            save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, config=config,
+                            data_state=data_state, keep=keep, run=run, shards=shards)
+        except OSError as e:
+            failed = f"{type(e).__name__}: {e}"
+    if dist.get_rank() == 0 and failed is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    box = [failed]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise error if isinstance(error, OSError) else OSError(box[0])
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(folder)
+
+
 def _prune(run_dir, keep: int | None, just_written: Path) -> None:
     d = checkpoint_dir(run_dir)
     for p in d.iterdir():  # leftovers of saves that were killed mid-write, checksums of deleted checkpoints
-        m = _SUM_RE.match(p.name)
+        m = _SUM_RE.match(p.name) or _SHARDS_RE.match(p.name)
         if _TMP_RE.match(p.name) or (m and not (d / f"step-{m.group(1)}.pt").exists()):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+            _remove(p)
     if keep is None:
         return
     others = [p for _, p in list_checkpoints(run_dir) if p != just_written]
     for p in others[: max(0, len(others) - (keep - 1))]:
-        for doomed in (p, checksum_path(p)):  # the checkpoint first: a checksum alone is never mistaken for one
-            try:
-                doomed.unlink()
-            except FileNotFoundError:
-                pass
+        for doomed in (p, checksum_path(p), shards_path(p)):  # the checkpoint first: what is left is never one
+            _remove(doomed)
     _fsync_dir(d)
+
+
+def _remove(path: Path) -> None:
+    try:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError:
+        pass
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -367,7 +439,22 @@ def _load(path: Path, mmap: bool) -> dict:
         raise CheckpointError(f"{path}: corrupt memfit checkpoint: missing {', '.join(missing)}")
     if not sums.is_file():
         raise CheckpointError(f"{path}: its checksum {sums.name} is missing, so its bytes cannot be checked")
+    if obj.get("shards"):
+        _check_shards(path, obj["shards"])
     return obj
+
+
+def _check_shards(path: Path, shards: Mapping) -> None:
+    """Every shard file the checkpoint recorded is there with its size and bytes (sizes first: cheap)."""
+    folder = shards_path(path)
+    for name, (size, _) in shards.items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise CheckpointError(f"{path}: shard {folder.name}/{name} is missing or not {size} bytes (truncated?)")
+    for name, (_, digest) in shards.items():
+        if sha256_of(folder / name) != digest:
+            raise CheckpointError(f"{path}: corrupt: shard {folder.name}/{name} no longer matches the checksum "
+                                  f"written with it")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -417,12 +504,23 @@ def load_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
 
 
 def restore(ckpt: Mapping, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler=None,
-            scheduler=None, optimizer_offload=None) -> None:
+            scheduler=None, optimizer_offload=None, path: str | os.PathLike | None = None) -> None:
     """Load model, optimizer, grad scaler, LR scheduler (and offloaded master weights) states, then the RNG
     states, so the next step is the one the interrupted run would have taken. The step number and
     `data_state` are the caller's to apply (``ckpt["step"]``, ``ckpt["data_state"]``). A checkpoint of a
-    sharded run (name-keyed full states) loads into a model of any layout: each rank takes its shard."""
-    if ckpt.get("named_state"):
+    sharded run (`save_sharded`) loads into a model of any layout and world size: DCP reads each rank's part
+    of every saved shard (`path`: that checkpoint's file)."""
+    if ckpt.get("shards"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        try:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards_path(path))
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"the saved state does not fit this model and optimizer: {_one_line(e)}") from e
+    elif ckpt.get("named_state"):  # a sharded run's checkpoint from before DCP: full states by name
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         try:

@@ -5,12 +5,11 @@ that sets RANK / WORLD_SIZE / MASTER_ADDR (torchrun, Slurm's srun with those exp
 world (`join`): gloo on CPUs, NCCL on GPUs. Each rank trains its share of every global batch (runtime/
 trainer.py) under the layout's FSDP2 sharding (strategies/data_parallel.py).
 
-Checkpoints are PyTorch's own state-dict engine (`torch.distributed.checkpoint.state_dict`): the sharded
-model and optimizer states are gathered into full, name-keyed state dicts on rank 0, which writes them as one
-ordinary memfit checkpoint (atomic, checksummed: runtime/checkpoints.py); a resume loads that file on every
-rank and `set_state_dict` takes each rank's shard of it, at whatever world size the run now has (4 -> 2 -> 1).
-Rank 0 holds the full state in host memory while it saves; sharded saving (`dcp.save`) for models too large
-for that is not built yet.
+Checkpoints are PyTorch's own distributed checkpoint engine (`torch.distributed.checkpoint`): every rank
+writes its own shards of the model and optimizer states, rank 0 commits them with the rest of the run's state
+(atomic, checksummed: runtime/checkpoints.py `save_sharded`), and a resume at whatever world size the run now
+has (4 -> 2 -> 1) reads each rank's part back. Only the final model export (`model.safetensors`) gathers the
+full weights, on rank 0.
 
 Out of memory on any rank: the other ranks are waiting in a collective that rank will never join, so no
 agreement inside the step is possible. The rank that ran out writes the next configuration of the recovery
@@ -112,15 +111,6 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optimizer_state: dict) -> None:
-    """Each rank takes its shard of full, name-keyed states (`full_state`'s, from a checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
 
 
 def agree(value):

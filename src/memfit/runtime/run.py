@@ -289,33 +289,27 @@ class _Run:
         return f"{what} while saving step {step}; {self.intact()}"
 
     def _save_ranks(self, step: int, path: Path) -> Path:
-        """Every rank gives its shards, rank 0 writes one checkpoint, and all learn whether it succeeded."""
+        """Every rank writes its shards, rank 0 commits the checkpoint, and all learn whether it succeeded."""
         e = self.trainer.engine
-        model_state, optimizer_state = distributed.full_state(e.model, e.optimizer)
-        error = None
-        if self.rank == 0:
-            bad = next((n for n, t in model_state.items() if t.is_floating_point() and not torch.isfinite(t).all()),
-                       None)
-            if bad is not None:
-                error = f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}"
-            else:
-                try:
-                    path = ckpt.save_checkpoint(self.out, step, model=e.model, optimizer=e.optimizer,
-                                                scheduler=self.scheduler, config=self.trainer.config,
-                                                data_state={"seed": self.seed, "global_batch": self.global_batch},
-                                                run=self.identity, named_state=(model_state, optimizer_state))
-                except OSError as err:
-                    error = self._save_failed(err, step)
-        error = distributed.agree(error)
-        if error:
-            raise RunError(error)
+        local = ((n, p.to_local() if hasattr(p, "to_local") else p) for n, p in e.model.named_parameters())
+        bad = next((n for n, p in local if not torch.isfinite(p).all()), None)  # this rank's shards
+        bad = next((b for b in distributed.gather(bad) if b is not None), None)
+        if bad is not None:
+            raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
+        try:
+            path = ckpt.save_sharded(self.out, step, model=e.model, optimizer=e.optimizer, scheduler=self.scheduler,
+                                     config=self.trainer.config,
+                                     data_state={"seed": self.seed, "global_batch": self.global_batch},
+                                     run=self.identity)
+        except OSError as err:
+            raise RunError(self._save_failed(err, step)) from err
         self.saved_step = step
         return path
 
     def restore(self, path: Path, state: dict) -> int:
         e = self.trainer.engine
         ckpt.restore(state, model=e.model, optimizer=e.optimizer, scaler=e.scaler, scheduler=self.scheduler,
-                     optimizer_offload=e.optimizer_offload)
+                     optimizer_offload=e.optimizer_offload, path=path)
         self.trainer.step_count = self.saved_step = state["step"]
         self._forget_metrics_from(state["step"])
         self._log_event(state["step"], f"resumed from {path.name}")
