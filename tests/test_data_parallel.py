@@ -256,6 +256,9 @@ def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp
         torch.testing.assert_close(p.detach(), torch.from_numpy(weights[name]), rtol=0, atol=0, msg=name)
     one.step_count = 2
     assert one.step() == pytest.approx(next_loss, rel=1e-5)
+    other = Trainer(builtin("gpt-tiny", layers=3), Config(micro_batch=4), seed=0, global_batch=16)
+    with pytest.raises(ckpt.CheckpointError, match="does not fit this model"):
+        ckpt.restore(state, model=other.model, optimizer=other.optimizer, path=path)
 
     victim = max(shards.iterdir(), key=lambda f: f.stat().st_size)
     data = bytearray(victim.read_bytes())

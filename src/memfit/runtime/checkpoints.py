@@ -518,7 +518,7 @@ def restore(ckpt: Mapping, *, model: torch.nn.Module, optimizer: torch.optim.Opt
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards_path(path))
             set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as e:
+        except (ValueError, KeyError, RuntimeError, dcp.CheckpointException) as e:
             raise CheckpointError(f"the saved state does not fit this model and optimizer: {_one_line(e)}") from e
     elif ckpt.get("named_state"):  # a sharded run's checkpoint from before DCP: full states by name
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
