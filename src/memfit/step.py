@@ -59,6 +59,7 @@ class TrainStep:
         self.tracing = False  # True under fake tensors: no data-dependent control flow (`.item()`)
         self.phase = "idle"  # where the current step is: forward | backward | optimizer (OOM recovery asks)
         self.skipped_steps = 0  # fp16 steps dropped because the gradients overflowed
+        self.ungraded: list[torch.Tensor] = []  # traced: trainable parameters the last step gave no gradient
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Zero grads -> forward/backward per micro-batch (loss weighted by its share of the global batch)
@@ -92,6 +93,8 @@ class TrainStep:
                 loss_sum += loss.detach().float() * weight
                 del micro, loss, scaled
         self._enter("optimizer")
+        if self.tracing and self.in_backward is None and self.optimizer_offload is None and cfg.gpus == 1:
+            self.ungraded = [p for p in model.parameters() if p.requires_grad and p.grad is None]
         self._optimizer_step()
         self.phase = "idle"
         if self.config.gpus > 1 and not self.tracing:  # the global batch's mean: every rank holds an equal share

@@ -294,8 +294,11 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             with router.drawing() if router is not None else contextlib.nullcontext():
                 return workload.batch(size)
 
-        for size in sizes:
+        for i, size in enumerate(sizes):
             p = _measure(workload, step, dev, mode, draw(size), list(notes))
+            if i == 0 and step.ungraded:  # traced again in the steady state a real run reaches
+                notes.append(_drop_ungraded_state(step))
+                p = _measure(workload, step, dev, mode, draw(size), list(notes))
             p.estimate.method = "fake" if fake else "measured"
             if router is not None:
                 add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, draw(size),
@@ -315,6 +318,18 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)
     return results
+
+
+def _drop_ungraded_state(step: TrainStep) -> str:
+    """`prime` gave every trainable parameter optimizer state, but torch.optim makes none for a parameter
+    whose gradient is None, and the traced step gave some parameters none (a head the loss does not use):
+    their state goes, and the note says which."""
+    names = {id(p): n for n, p in step.model.named_parameters()}
+    for p in step.ungraded:
+        step.optimizer.state.pop(p, None)
+    first = ", ".join(names.get(id(p), "?") for p in step.ungraded[:3])
+    return (f"{len(step.ungraded)} trainable parameter(s) get no gradient from this loss ({first}"
+            f"{', ...' if len(step.ungraded) > 3 else ''}): no optimizer state for them, as torch.optim makes none")
 
 
 def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Probe:

@@ -358,14 +358,25 @@ def _image_batch(cfg, task: str, image_size: int | None, seq: int):
         raise WorkloadError(f"hf: {cfg.model_type} classifies images from a text prompt with image tokens, "
                             "which memfit's image batches do not make")
     labels = cfg.num_labels
+    model_class = _model_class(cfg, task)
+    # NaFlex models (SigLIP 2) read an image as its sequence of flattened patches, padded to num_patches, with
+    # the grid each image was cut into: here every image fills a square grid of them, so no padding and no
+    # mask (as text rows are full: a mask of all ones is skipped after reading it, not on fake tensors)
+    patches = getattr(vision, "num_patches", None) \
+        if model_class is not None and "spatial_shapes" in inspect.signature(model_class.forward).parameters else None
+    if patches is not None and math.isqrt(patches) ** 2 != patches:
+        raise WorkloadError(f"hf: {cfg.model_type} takes images as {patches} patches, not a square grid of them")
 
     def images(n: int) -> dict[str, torch.Tensor]:
         if key == "input_ids":
-            inputs = torch.randint(0, cfg.vocab_size, (n, seq))
+            inputs = {key: torch.randint(0, cfg.vocab_size, (n, seq))}
+        elif patches is not None:
+            inputs = {key: torch.randn(n, patches, channels * vision.patch_size ** 2),
+                      "spatial_shapes": torch.full((n, 2), math.isqrt(patches), dtype=torch.long)}
         else:
-            inputs = torch.randn(n, channels, height, width)
+            inputs = {key: torch.randn(n, channels, height, width)}
         if task != "image":
-            return {key: inputs}
-        return {key: inputs, "labels": torch.randint(0, labels, (n,))}
+            return inputs
+        return {**inputs, "labels": torch.randint(0, labels, (n,))}
 
     return images
