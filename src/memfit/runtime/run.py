@@ -268,7 +268,7 @@ class _Run:
             return path
         e = self.trainer.engine
         if self.trainer.config.gpus > 1:
-            return self._save_ranks(step, path)
+            return self._save_ranks(step)
         bad = next((n for n, p in e.model.named_parameters() if not torch.isfinite(p).all()), None)
         if bad is not None:
             raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
@@ -288,7 +288,7 @@ class _Run:
         what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err}"
         return f"{what} while saving step {step}; {self.intact()}"
 
-    def _save_ranks(self, step: int, path: Path) -> Path:
+    def _save_ranks(self, step: int) -> Path:
         """Every rank writes its shards, rank 0 commits the checkpoint, and all learn whether it succeeded."""
         e = self.trainer.engine
         local = ((n, p.to_local() if hasattr(p, "to_local") else p) for n, p in e.model.named_parameters())

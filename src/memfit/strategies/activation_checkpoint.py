@@ -8,7 +8,7 @@ and recomputes only the cheap pointwise ops around them; a kept output goes to t
 computes the same op on the same values (`_Names`), so a block may run its ops a different number of
 times when recomputed. checkpoint() also keeps a copy of the CPU RNG state (5,056 bytes) per checkpointed
 block call until the recomputation, made outside the dispatcher where no dispatch mode sees it; a fake trace
-holds a stand-in of that size for as long (`_recompute_context`).
+holds a stand-in of that size for as long (`_contexts`).
 """
 from __future__ import annotations
 
