@@ -170,20 +170,16 @@ def test_a_vision_transformer_matches_the_profiler():
 def test_naflex_images_are_patch_sequences_and_siglip2_matches_the_profiler():
     """SigLIP 2 reads each image as its flattened patches with the grid they came from (its positional
     embeddings are resized to each image's grid): every image fills the config's square grid of patches.
-    Compared with the profiler without the attention-pooling head, which the classifier computes and does
-    not read: with it this tiny model is estimated 5% high (the head's attention activations are held into
-    backward by the step as memfit's tracker sees it on real tensors too, and not by the profiler's: not
-    understood yet)."""
+    Its classifier computes an attention-pooling head it never reads: the estimate was 16% high (optimizer
+    state for the head; the head's graph kept alive by memfit's own saved-tensor hooks), now to the byte."""
     wl = tiny("siglip2")
     b = wl.batch(3)
     assert b["pixel_values"].shape == (3, 16, 3 * 4 * 4) and "pixel_attention_mask" not in b
     assert b["spatial_shapes"].tolist() == [[4, 4]] * 3 and b["labels"].shape == (3,)
     assert memfit.estimate(wl, Config(micro_batch=1, precision="bf16"), device="h100").method == "fake"
-    options = dict(TINY["siglip2"], vision_config=dict(TINY["siglip2"]["vision_config"], vision_use_head=False))
-    wl = hf.from_config(transformers.AutoConfig.for_model("siglip2", **options))
     cfg = Config(micro_batch=4)
     est = memfit.estimate(wl, cfg)
-    assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
+    assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
 
 
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():

@@ -28,7 +28,7 @@ from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_i
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
-                                   Phase)
+                                   Phase, seeing_saved)
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
@@ -350,7 +350,6 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
 
     def pack(t):
         saved.add(tracker.uid(t))
-        return t
 
     def on_phase(phase: str) -> None:
         tracker.mark(phase)
@@ -360,7 +359,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     step.move = lambda b, d: _tag(tracker, move(b, d))
     scope = ModuleScope(step.model, tracker, recorder)
     try:  # the recorder on top: it sees each op as the step issues it, before the counter does
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker, recorder:
+        with seeing_saved(pack), tracker, recorder:
             step(batch)
     except Exception as e:
         if mode is not None:  # what the fake step got through, for the fallback's host check and its message

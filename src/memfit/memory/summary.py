@@ -10,7 +10,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, MicroBatchError, WorkloadError
 from memfit.memory.estimate import PROBES_WITHOUT_1, first_line
 from memfit.memory.fake import FakeBuild, new_fake_mode
-from memfit.memory.tracker import LiveBytes, ModuleScope, OpRecorder
+from memfit.memory.tracker import LiveBytes, ModuleScope, OpRecorder, seeing_saved
 from memfit.step import TrainStep
 from memfit.strategies import autocast_context
 from memfit.workload import Workload, tensors_of
@@ -64,11 +64,10 @@ def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
             uid = tracker.uid(t)
             if uid is not None:
                 saved[uid] = tracker.infos[uid].nbytes
-            return t
 
         scope = ModuleScope(model, tracker, recorder)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker, recorder:
+            with seeing_saved(pack), tracker, recorder:
                 with autocast_context(config, step.device):
                     loss = workload.loss(model, workload.batch(config.micro_batch))
                 loss.float().backward()

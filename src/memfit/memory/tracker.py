@@ -13,20 +13,21 @@ modes run on fake tensors (the estimate) and on real ones (the fallback, a run's
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
 import sys
 import sysconfig
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import TorchDispatchMode, held_by, storage_key, tree_leaves
+from memfit.torch_internals import TorchDispatchMode, detach_sharing_version, held_by, storage_key, tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -117,6 +118,8 @@ def short_path(filename: str) -> str:
 
 class _Scoped(TorchDispatchMode):
     """What both modes share: the phase the step is in and the stack of running modules (`ModuleScope`)."""
+
+    quiet = 0  # > 0 while memfit's own bookkeeping issues ops (`seeing_saved`): they pass through unseen
 
     def __init__(self):
         super().__init__()
@@ -316,6 +319,8 @@ class LiveBytes(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _Scoped.quiet:
+            return func(*args, **kwargs)
         try:
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
         except Exception:
@@ -364,6 +369,8 @@ class OpRecorder(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _Scoped.quiet:
+            return func(*args, **kwargs)
         out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))
         flops = op_flops(func, args, kwargs, out)
         if flops:
@@ -405,6 +412,26 @@ class OpRecorder(_Scoped):
         tr.kind.append(kind)
         tr.phase.append(self.phase)
         tr.name.append(getattr(getattr(func, "_overloadpacket", func), "__name__", str(func)))
+
+
+@contextlib.contextmanager
+def seeing_saved(on_saved: Callable[[torch.Tensor], None]):
+    """Saved-tensor hooks that show `on_saved` every tensor autograd saves for backward, and keep a detached
+    alias of it. Keeping the tensor itself would keep its grad_fn: an op's saved output would hold the node
+    that holds it, a cycle through C++ that no garbage collector sees, and the graph of an output backward
+    never reaches (a pooling head the loss does not read) would outlive the step, which a step without these
+    hooks frees at once. The alias allocates nothing and is made unseen by memfit's modes (the step itself
+    issues no such op)."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        on_saved(t)
+        _Scoped.quiet += 1
+        try:
+            return detach_sharing_version(t)
+        finally:
+            _Scoped.quiet -= 1
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 class ModuleScope:
