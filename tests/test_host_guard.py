@@ -37,9 +37,10 @@ def test_a_step_fake_tensors_cannot_follow_is_measured_and_labelled():
     est = memfit.estimate(wl, Config(micro_batch=4))
     assert est.method == "measured"
     assert "fake tensors could not follow" in est.notes[0] and "_local_scalar_dense" in est.notes[0]
-    # the profiler cannot size the batch, made before it started ("memory block of unknown size")
-    assert est.peak_bytes - est.breakdown["inputs"] == pytest.approx(real_step_peak(wl, Config(micro_batch=4)),
-                                                                     rel=0.02)
+    # The data-dependent check's graph (abs -> max) is not the loss's and dies at once. Until memfit's saved-
+    # tensor hooks stopped keeping it alive, the measured step held its 4 MiB too, and this line subtracted
+    # the 4 MiB batch to match, on the belief that the profiler did not see the batch: it does.
+    assert est.peak_bytes == pytest.approx(real_step_peak(wl, Config(micro_batch=4)), rel=0.02)
 
 
 def test_a_large_micro_batch_is_extrapolated_when_the_full_step_would_use_much_of_the_allowance(monkeypatch):
