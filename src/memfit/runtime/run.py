@@ -37,6 +37,7 @@ from memfit.memory.tracker import LiveBytes
 from memfit.runtime import checkpoints as ckpt
 from memfit.runtime import distributed, noise
 from memfit.runtime.trainer import Trainer
+from memfit.torch_internals import held_by
 from memfit.units import fmt_bytes
 from memfit.workload import Workload
 
@@ -291,8 +292,8 @@ class _Run:
     def _save_ranks(self, step: int) -> Path:
         """Every rank writes its shards, rank 0 commits the checkpoint, and all learn whether it succeeded."""
         e = self.trainer.engine
-        local = ((n, p.to_local() if hasattr(p, "to_local") else p) for n, p in e.model.named_parameters())
-        bad = next((n for n, p in local if not torch.isfinite(p).all()), None)  # this rank's shards
+        bad = next((n for n, p in e.model.named_parameters()  # this rank's shards
+                    if not all(torch.isfinite(x).all() for x in held_by(p))), None)
         bad = next((b for b in distributed.gather(bad) if b is not None), None)
         if bad is not None:
             raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
