@@ -200,3 +200,17 @@ def test_transformers_own_gradient_checkpointing_matches_the_profiler():
     truth = real_step_peak(wl, cfg)
     layers = transformers.AutoConfig.for_model("bert", **hf.SMALL_CONFIGS["bert"]).num_hidden_layers
     assert 0 <= truth - est.peak_bytes <= layers * torch.get_rng_state().numel(), (est.peak_bytes, truth)
+
+
+def test_a_gpu_estimate_says_it_traced_the_reference_path_of_fused_kernel_packages():
+    """transformers' Mamba runs mamba_ssm's and causal_conv1d's fused kernels on a GPU where they are
+    installed and its reference PyTorch scan elsewhere: a GPU estimate traces the reference path and says
+    so; a CPU estimate (which runs that path) and a model without such kernels say nothing."""
+    mamba = hf.from_config(transformers.AutoConfig.for_model(
+        "mamba", hidden_size=32, num_hidden_layers=1, state_size=4, vocab_size=100, expand=2), seq=8)
+    cfg = Config(micro_batch=1, precision="bf16")
+    [note] = [n for n in memfit.estimate(mamba, cfg, device="h100").notes if "reference PyTorch path" in n]
+    assert "mamba_ssm (" in note and "selective_scan_fn" in note and "causal_conv1d (" in note
+    assert not [n for n in memfit.estimate(mamba, Config(micro_batch=1)).notes if "reference PyTorch path" in n]
+    assert not [n for n in memfit.estimate(tiny("llama", seq=16), cfg, device="h100").notes
+                if "reference PyTorch path" in n]

@@ -42,14 +42,20 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """An identity for a tensor's storage (or a storage) while it lives, for real and fake tensors alike.
     `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage.
     A wrapper subclass (DTensor) is identified by the tensor that holds its bytes (its local shard)."""
+    if type(t) in _PLAIN:  # the tracers' every op: skip the subclass test
+        return t.untyped_storage()._cdata
     storage = held_by(t)[0].untyped_storage() if isinstance(t, torch.Tensor) else t
     return storage._cdata
+
+
+# tensor types that are never wrapper subclasses (a fake Parameter is a FakeTensor)
+_PLAIN = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 
 
 def held_by(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding a tensor's bytes: itself, or for a wrapper subclass the tensors it wraps
     (a DTensor's local shard), as `__tensor_flatten__` lists them."""
-    if not is_traceable_wrapper_subclass(t):
+    if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
         return [t]
     names, _ = t.__tensor_flatten__()  # may name non-tensors too (a DTensor's device mesh)
     return [x for name in names if isinstance(getattr(t, name), torch.Tensor) for x in held_by(getattr(t, name))]

@@ -32,6 +32,7 @@ from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes,
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
+from memfit.strategies.cuda_kernels import fused_elsewhere
 from memfit.torch_internals import fake_process_group, grad_scaler_tensors, held_by, storage_key
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
@@ -286,6 +287,11 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                          "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
                          "(assumed: sm80+ kernel choice, no cuDNN attention, no logsumexp or head padding); "
                          "dropout keeps a 1-byte mask, as CUDA's fused dropout does")
+            fused = fused_elsewhere(step.model)
+            if fused:
+                notes.append(f"traced transformers' reference PyTorch path for {' and '.join(fused)}: what a GPU runs "
+                             "without those packages; with them installed it runs their fused kernels instead, "
+                             "whose memory is not modelled")
         if not cuda_target and (config.offload_activations or config.offload_optimizer):
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import os
 import sys
 import sysconfig
@@ -63,6 +64,8 @@ MODEL_STATE = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE
 
 def _tensors(tree) -> list[torch.Tensor]:
     """The plain tensors in `tree`; a DTensor counts as the shard this rank holds."""
+    if isinstance(tree, torch.Tensor):  # most ops' output: no tree to walk
+        return held_by(tree)
     return [x for t in tree_leaves(tree) if isinstance(t, torch.Tensor) for x in held_by(t)]
 
 
@@ -85,10 +88,14 @@ _MACHINERY = tuple(os.path.join(d, "") for d in {os.path.dirname(os.path.abspath
 _STEP = os.path.join(_MEMFIT, "step.py")  # where a search for the model's line ends
 
 
+_WORKLOADS = os.path.join(_MEMFIT, "workloads", "")
+
+
+@functools.cache  # asked for every frame of every allocation's stack
 def _machinery(filename: str) -> bool:
     if filename.startswith(_MACHINERY) or filename.startswith("<"):
         return True
-    return filename.startswith(_MEMFIT) and not filename.startswith(os.path.join(_MEMFIT, "workloads", ""))
+    return filename.startswith(_MEMFIT) and not filename.startswith(_WORKLOADS)
 
 
 def source_line() -> str:
@@ -381,11 +388,15 @@ class OpRecorder(_Scoped):
         return out
 
     def _record(self, func, args, kwargs, out, flops: int) -> None:
+        known = _OP_FACTS.get(func)
+        if known is None:
+            known = _OP_FACTS[func] = _op_facts(func)
+        what, name = known
         outs = _tensors(out)
         alloc = 0
-        if getattr(func, "is_view", False):
+        if what == "view":
             kind, moved = "view", 0
-        elif getattr(func, "namespace", "") == "c10d":  # a collective: its bytes are the whole (unsharded) size
+        elif what == "comm":  # a collective: its bytes are the whole (unsharded) size
             kind = "comm"
             gathered = args[0] if "allgather" in func.__name__ else args[1] if "reduce_scatter" in func.__name__ \
                 else args[0]
@@ -399,7 +410,7 @@ class OpRecorder(_Scoped):
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in outs)
             if on_host_side():
                 kind = "link" if func is torch.ops.aten.copy_.default else "host"
-            elif not flops and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            elif not flops and what == "seeded":
                 # a random number costs the same whatever its dtype: the work recorded is how many are drawn
                 # (attention is tagged too, for its dropout, but its work is its FLOPs)
                 kind, flops = "rng", max((t.numel() for t in outs), default=0)
@@ -411,7 +422,18 @@ class OpRecorder(_Scoped):
         tr.alloc.append(alloc)
         tr.kind.append(kind)
         tr.phase.append(self.phase)
-        tr.name.append(getattr(getattr(func, "_overloadpacket", func), "__name__", str(func)))
+        tr.name.append(name)
+
+
+def _op_facts(func) -> tuple[str, str]:
+    """What `_record` needs to know of an op that does not change between calls: "view", "comm" (a
+    collective), "seeded" (draws random numbers) or "", and its name without the overload."""
+    what = ("view" if getattr(func, "is_view", False) else "comm" if getattr(func, "namespace", "") == "c10d"
+            else "seeded" if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else "")
+    return what, getattr(getattr(func, "_overloadpacket", func), "__name__", str(func))
+
+
+_OP_FACTS: dict = {}
 
 
 @contextlib.contextmanager

@@ -30,6 +30,10 @@ The dropout kernel is registered process-wide while active: a GPU-target trace r
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
+import sys
 import warnings
 
 import torch
@@ -103,3 +107,28 @@ def fused_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     efficient = (dtype in (torch.float16, torch.bfloat16, torch.float32) and d_q == d_k and d_q % align == 0
                  and d_v % align == 0 and aligned)
     return flash or efficient
+
+
+# transformers declares, beside a model's reference PyTorch code, the fused kernel package that replaces it on a
+# GPU where that package is installed (mamba_ssm's selective scan, causal_conv1d, fla's linear attention)
+_FALLBACK = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"')
+
+
+def fused_elsewhere(model: torch.nn.Module) -> list[str]:
+    """"package (function, ...)" for each fused GPU kernel package that the code of `model`'s modules
+    declares as replacing its reference PyTorch path. A trace runs that reference path (as a GPU without the
+    package does); the fused kernels keep other tensors, which memfit does not model."""
+    found: dict[str, list[str]] = {}
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        for func, package in _declared_fallbacks(name):
+            found.setdefault(package, []).append(func)
+    return [f"{package} ({', '.join(funcs)})" for package, funcs in sorted(found.items())]
+
+
+@functools.cache
+def _declared_fallbacks(module_name: str) -> tuple:
+    module = sys.modules.get(module_name)
+    try:
+        return tuple(_FALLBACK.findall(inspect.getsource(module))) if module is not None else ()
+    except (OSError, TypeError):  # no source (built-in, compiled): nothing declared that we can read
+        return ()
