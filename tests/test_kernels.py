@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -257,3 +262,36 @@ def test_a_fresh_cache_measures_each_signature_in_the_helper(tmp_path, monkeypat
     work(chunk_cat, (grads, 0, 2), {"out": out}, None)
     assert (work.counted, work.failed, work.too_large) == (2, 0, 0)
     assert len(json.loads(work.path.read_text())) == 2
+
+
+def test_tracing_children_share_one_measuring_helper_that_ends_with_their_parent(tmp_path):
+    """Each tracing child used to start a helper of its own (a fresh Python, ~2 s, for every estimate that
+    met a new signature). Two children of one process now measure through one helper, started by the first
+    that needs it (the same socket: a second helper would have bound a new one), and it ends with that
+    process."""
+    script = tmp_path / "children.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch
+        from memfit.memory import kernels
+        from memfit.memory.isolate import run_isolated_many
+
+        def measure(n):
+            work = kernels.CpuWorkspaces(threads=1)
+            a, b = torch.randn(n, 256, dtype=torch.bfloat16), torch.randn(256, 64, dtype=torch.bfloat16)
+            work(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+            path = kernels._socket_path(1)
+            return work.counted, work.failed, str(path), os.stat(path).st_ino
+
+        results = run_isolated_many([lambda: measure(48), lambda: measure(80)], workers=1)
+        print(repr([value for _, value in results]))
+    """))
+    env = dict(os.environ, MEMFIT_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = eval(done.stdout.strip().splitlines()[-1])
+    assert first[:2] == second[:2] == (1, 0)  # each child measured its own signature, through the helper
+    assert first[2:] == second[2:]            # one socket, one helper
+    deadline = time.monotonic() + 60          # it polls its parent each second
+    while os.path.exists(first[2]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(first[2])

@@ -75,13 +75,16 @@ real-mode trace miss them; the profiler sees them):
 """
 from __future__ import annotations
 
-import atexit
+import fcntl
 import hashlib
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -297,16 +300,7 @@ class CpuWorkspaces:
         return self.table[key]
 
     def _measure(self, request: dict) -> int | None:
-        helper = _helper(self.threads)
-        if helper is None:
-            return None
-        try:
-            helper.stdin.write(json.dumps(request) + "\n")
-            helper.stdin.flush()
-            reply = json.loads(helper.stdout.readline() or "{}")
-        except (OSError, ValueError):
-            return None
-        return reply.get("bytes")
+        return _ask(self.threads, request).get("bytes")
 
     def _save(self, key: str, value: int) -> None:
         """Merged into what is on disk (tracing children run side by side), written atomically."""
@@ -331,24 +325,72 @@ class CpuWorkspaces:
         return out
 
 
-_helpers: dict[tuple[int, int], subprocess.Popen] = {}  # (process id, threads) -> measuring helper
+_dead: set[tuple[int, int]] = set()  # (process id, threads) whose helper could not be reached
 
 
-def _helper(threads: int) -> subprocess.Popen | None:
-    """This process's measuring helper for `threads`: a fresh Python, since OpenMP cannot run more than one
-    thread in a forked child (which is where tracing runs); started on first use, ended at exit. One that
-    died is not started again (None): each start costs seconds, and whatever killed it would again."""
+def _ask(threads: int, request: dict) -> dict:
+    """The measuring helper's answer to `request` ({} if there is none). The helper is a fresh Python (OpenMP
+    cannot run more than one thread in a forked child, which is where tracing runs) serving one Unix socket
+    for a top-level process and thread count: the first tracing child that needs it starts it, and every
+    later child of the same process asks the same one, instead of paying a start (~2 s) each. It ends
+    within a second of that process. One that cannot be reached is not tried again by this process: each
+    start costs seconds, and whatever stopped it would again."""
     key = (os.getpid(), threads)
-    helper = _helpers.get(key)
-    if helper is not None and helper.poll() is not None:
+    if key in _dead:
+        return {}
+    path = _socket_path(threads)
+    try:
+        with _connect(path) or _start(path, threads) as conn:
+            conn.sendall((json.dumps(request) + "\n").encode())
+            with conn.makefile("r") as answer:
+                return json.loads(answer.readline() or "{}")
+    except (OSError, ValueError):
+        _dead.add(key)
+        return {}
+
+
+def _root() -> int:
+    """The process whose tracing children share a helper: the parent of a forked child, else this one."""
+    return os.getppid() if _in_forked_child else os.getpid()
+
+
+def _socket_path(threads: int) -> Path:
+    folder = Path(tempfile.gettempdir()) / f"memfit-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"kernels-{_root()}-{threads}.sock"
+
+
+def _connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+        return conn
+    except OSError:
+        conn.close()
         return None
-    if helper is None:
+
+
+def _start(path: Path, threads: int) -> socket.socket:
+    """Start the helper for `path` (one process at a time, under a lock; another may have started it
+    meanwhile) and connect to it once it listens."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        path.unlink(missing_ok=True)  # left by a helper of an earlier process with the same id
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        helper = _helpers[key] = subprocess.Popen(
-            [sys.executable, "-c", f"from memfit.memory.kernels import serve; serve({threads})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        atexit.register(_stop, helper)
-    return helper
+        helper = subprocess.Popen(
+            [sys.executable, "-c", f"from memfit.memory.kernels import serve; serve({threads}, {str(path)!r}, {_root()})"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            start_new_session=True)  # outlives the child that starts it
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and helper.poll() is None:
+            conn = _connect(path)
+            if conn is not None:
+                return conn
+            time.sleep(0.02)
+        raise OSError(f"the measuring helper did not start (exit status {helper.poll()})")
 
 
 # ------------------------------------------------------------------------------ cuDNN workspace, assumed
@@ -399,16 +441,6 @@ class CudnnWorkspaces:
                 f"it runs, {cap}; the engine cuDNN's heuristics pick may need less (an upper side)"]
 
 
-def _stop(helper: subprocess.Popen) -> None:
-    if helper.poll() is None:
-        helper.stdin.close()  # its loop ends at end of input
-        try:
-            helper.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
-
-
 def _make(spec):
     if isinstance(spec, dict) and "dtype" in spec:
         t = torch.empty_strided(spec["shape"], spec["stride"], dtype=getattr(torch, spec["dtype"]))
@@ -438,18 +470,48 @@ def workspace_of(func, args, kwargs) -> int:
     return peak - running
 
 
-def serve(threads: int) -> None:
-    """The measuring helper's loop: one JSON request a line on stdin, one answer a line on stdout."""
+def serve(threads: int, path: str, root: int) -> None:
+    """The measuring helper: one connection at a time on the Unix socket `path`, one JSON request in and one
+    answer out on each, until process `root` has ended."""
     torch.set_num_threads(threads)
-    for line in sys.stdin:
-        request = json.loads(line)
-        namespace, name, overload = request["op"].split(".")
-        if namespace == "fsdp":
-            importlib.import_module("torch.distributed.fsdp")  # registers the fsdp ops
-        func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-        try:
-            reply = {"bytes": workspace_of(func, _make(request["args"]), _make(request["kwargs"]))}
-        except Exception as e:  # noqa: BLE001 - the tracer is told, and counts nothing for this call
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(reply), flush=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.settimeout(1.0)
+    try:
+        while _alive(root):
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn, conn.makefile("rw") as stream:
+                conn.settimeout(None)
+                line = stream.readline()
+                if line:
+                    stream.write(json.dumps(_answer(json.loads(line))) + "\n")
+                    stream.flush()
+    finally:
+        listener.close()
+        for done in (Path(path), Path(path).with_suffix(".lock")):
+            done.unlink(missing_ok=True)
 
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process now has the id: ours has ended
+        return False
+
+
+def _answer(request: dict) -> dict:
+    namespace, name, overload = request["op"].split(".")
+    if namespace == "fsdp":
+        importlib.import_module("torch.distributed.fsdp")  # registers the fsdp ops
+    func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    try:
+        return {"bytes": workspace_of(func, _make(request["args"]), _make(request["kwargs"]))}
+    except Exception as e:  # noqa: BLE001 - the tracer is told, and counts nothing for this call
+        return {"error": f"{type(e).__name__}: {e}"}
