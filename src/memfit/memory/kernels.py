@@ -338,15 +338,18 @@ def _ask(threads: int, request: dict) -> dict:
     key = (os.getpid(), threads)
     if key in _dead:
         return {}
-    path = _socket_path(threads)
     try:
-        with _connect(path) or _start(path, threads) as conn:
-            conn.sendall((json.dumps(request) + "\n").encode())
-            with conn.makefile("r") as answer:
-                return json.loads(answer.readline() or "{}")
+        path = _socket_path(threads)
+        conn = _connect(path) or _start(path, threads)
+        if conn is not None:
+            with conn:
+                conn.sendall((json.dumps(request) + "\n").encode())
+                with conn.makefile("r") as answer:
+                    return json.loads(answer.readline() or "{}")
     except (OSError, ValueError):
-        _dead.add(key)
-        return {}
+        pass
+    _dead.add(key)
+    return {}
 
 
 def _root() -> int:
@@ -370,9 +373,9 @@ def _connect(path: Path) -> socket.socket | None:
         return None
 
 
-def _start(path: Path, threads: int) -> socket.socket:
+def _start(path: Path, threads: int) -> socket.socket | None:
     """Start the helper for `path` (one process at a time, under a lock; another may have started it
-    meanwhile) and connect to it once it listens."""
+    meanwhile) and connect to it once it listens; None if it ends first or does not listen within a minute."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         conn = _connect(path)
@@ -390,7 +393,8 @@ def _start(path: Path, threads: int) -> socket.socket:
             if conn is not None:
                 return conn
             time.sleep(0.02)
-        raise OSError(f"the measuring helper did not start (exit status {helper.poll()})")
+        helper.kill()
+        return None
 
 
 # ------------------------------------------------------------------------------ cuDNN workspace, assumed
