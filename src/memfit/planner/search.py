@@ -804,9 +804,10 @@ def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
 
 
 def price(workload: Workload, config: Config, device: str | Device = "cpu",
-          profile: Profile | None = None) -> tuple[Estimate, float]:
+          profile: Profile | None = None, timed: bool = True) -> tuple[Estimate, float | None]:
     """The plan's own pricing of one configuration, as it confirms a candidate: its full estimate and its
-    predicted step seconds (`profile`, else the device's calibration). Traces in a forked child.
+    predicted step seconds (`profile`, else the device's calibration; None without `timed`, which then
+    never starts a calibration). Traces in a forked child.
 
     Example::
 
@@ -814,7 +815,7 @@ def price(workload: Workload, config: Config, device: str | Device = "cpu",
     """
     dev = device if isinstance(device, Device) else get_device(device)
     p = run_isolated(functools.partial(full_probe, workload, config, dev))
-    return p.estimate, _seconds(profile or profile_for(dev), p, config, dev)
+    return p.estimate, _seconds(profile or profile_for(dev), p, config, dev) if timed else None
 
 
 def refusals(workload: Workload, configs: list[Config], device: str | Device = "cpu") -> list[str | None]:

@@ -129,10 +129,11 @@ def from_plan(p) -> Prediction:
 def predict(workload: Workload, config: Config, dev) -> Prediction:
     """Peak and step time of `config`, priced as the planner prices a confirmed candidate (a long
     accumulation traced as two micro-steps), so `memfit plan` and a run at the same configuration say the
-    same."""
+    same. Across ranks the step time is not predicted (communication is not modelled in a run's report
+    yet), and this machine's CPU is not calibrated for it."""
     from memfit.planner.search import price
 
-    est, seconds = price(workload, config, dev)
+    est, seconds = price(workload, config, dev, timed=config.gpus == 1)
     return Prediction(config, _comparable_peak(est), seconds, "estimate", est)
 
 
@@ -745,8 +746,8 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
                     gpus=gpus, data_parallel=layout)
     rank0 = int(os.environ["RANK"]) == 0
     start = Prediction(config, None, None, "rank 0 predicts")
-    if rank0:  # memory per rank; the step time is not predicted: communication is not modelled yet
-        start = dataclasses.replace(predict(workload, config, dev), step_seconds=None)
+    if rank0:  # memory per rank; the step time is not predicted (predict)
+        start = predict(workload, config, dev)
     rank = distributed.join(gpus, device)
     try:
         if rank == 0:
