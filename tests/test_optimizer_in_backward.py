@@ -86,3 +86,19 @@ def test_the_planner_steps_in_backward_when_the_rank_batch_does_not_fit_in_one_m
     assert verdicts["bf16, activation checkpointing all, optimizer in backward"] == "chosen at micro-batch 8"
     assert verdicts["bf16, activation checkpointing all"].startswith("does not fit")
     assert p.confirmed and p.estimate.breakdown["gradients"] == 0
+
+
+def test_in_backward_is_not_traced_where_the_forward_pass_alone_is_over_the_budget():
+    """The step in backward runs the same forward pass as its family: where that pass alone is over the budget
+    at the whole rank batch, the family is said not to fit without a trace, and a full estimate agrees."""
+    from memfit.planner.search import MARGIN, plan
+
+    wl = load_workload("gpt-tiny")
+    fixed = dict(precision="fp32", activation_checkpoint="none")
+    budget = int(memfit.estimate(wl, Config(micro_batch=2, grad_accum=8, **fixed)).peak_bytes / (1 - MARGIN)) + 1
+    p = plan(wl, 16, budget=budget, **fixed)
+    assert p.config.micro_batch <= 2
+    verdict = dict(p.families)["fp32, activation checkpointing none, optimizer in backward"]
+    assert verdict.startswith("does not fit: its forward pass alone needs") and verdict.endswith("(not traced)")
+    in_backward = memfit.estimate(wl, Config(micro_batch=16, optimizer_in_backward=True, **fixed))
+    assert in_backward.peak_bytes > p.usable_bytes

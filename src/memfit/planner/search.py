@@ -233,8 +233,8 @@ class _AtCount:
         phases[Phase.OPTIMIZER] = now + (traced[Phase.OPTIMIZER] - then) * r
         return phases
 
-    def memory(self, m: int, accum: int, cpu: bool) -> int:
-        return self.family.memory(m, accum, cpu, phases=self.phases(m, accum)) + (0 if cpu else self.nccl)
+    def memory(self, m: int, accum: int, cpu: bool, phases: dict | None = None) -> int:
+        return self.family.memory(m, accum, cpu, phases=phases or self.phases(m, accum)) + (0 if cpu else self.nccl)
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         return self.family.seconds(profile, m, accum, comm)
@@ -512,10 +512,23 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         if kind == "ok" and traced is not None and base not in reused and _state_key(base) in floors:
             traced[_count_free(base)] = (value, base, floors[_state_key(base)])
     # The optimizer step in backward holds no gradients but runs one micro-batch a step: traced for the
-    # families that would need accumulation (they do not fit the whole rank batch in one micro-batch).
-    tight = [b.replace(optimizer_in_backward=True) for b, fam in families.items()
-             if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16") and micro_batch in (None, per_rank)
-             and per_rank >= fam.sizes[0] and fam.memory(per_rank, 1, cpu) > usable]
+    # families that would need accumulation (they do not fit the whole rank batch in one micro-batch), unless
+    # their forward pass alone is over the budget there: it is the same pass with or without the optimizer
+    # in backward, so its peak is a floor under that family's.
+    tight = []
+    for b, fam in families.items():
+        if not (gpus == 1 and not (b.offload_optimizer or b.precision == "fp16") and micro_batch in (None, per_rank)
+                and per_rank >= fam.sizes[0] and fam.memory(per_rank, 1, cpu) > usable):
+            continue
+        in_backward = b.replace(optimizer_in_backward=True)
+        forward = fam.memory(per_rank, 1, cpu, phases={Phase.FORWARD: fam.phases(per_rank, 1)[Phase.FORWARD]})
+        if forward <= usable:
+            tight.append(in_backward)
+            continue
+        name = _family_name(in_backward)
+        smallest_need[name] = forward
+        verdicts.append((name, f"does not fit: its forward pass alone needs about {fmt_bytes(forward)} at "
+                               f"micro-batch {per_rank}, over by {fmt_bytes(forward - usable)} (not traced)"))
     for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth)):
         take(base, kind, value)
     if failed and not families:  # every family failed: that is the answer
