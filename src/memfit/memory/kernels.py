@@ -333,8 +333,8 @@ def _ask(threads: int, request: dict) -> dict:
     cannot run more than one thread in a forked child, which is where tracing runs) serving one Unix socket
     for a top-level process and thread count: the first tracing child that needs it starts it, and every
     later child of the same process asks the same one, instead of paying a start (~2 s) each. It ends
-    within a second of that process. One that cannot be reached is not tried again by this process: each
-    start costs seconds, and whatever stopped it would again."""
+    within a second of that process, or when idle for HELPER_IDLE_SECONDS. One that cannot be reached is
+    not tried again by this process: each start costs seconds, and whatever stopped it would again."""
     key = (os.getpid(), threads)
     if key in _dead:
         return {}
@@ -383,8 +383,9 @@ def _start(path: Path, threads: int) -> socket.socket | None:
             return conn
         path.unlink(missing_ok=True)  # left by a helper of an earlier process with the same id
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        code = f"from memfit.memory.kernels import serve; serve({threads}, {str(path)!r}, {_root()})"
         helper = subprocess.Popen(
-            [sys.executable, "-c", f"from memfit.memory.kernels import serve; serve({threads}, {str(path)!r}, {_root()})"],
+            [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True)  # outlives the child that starts it
         deadline = time.monotonic() + 60
@@ -474,20 +475,25 @@ def workspace_of(func, args, kwargs) -> int:
     return peak - running
 
 
+HELPER_IDLE_SECONDS = 600  # a long-lived process (a notebook) does not keep an idle helper's memory
+
+
 def serve(threads: int, path: str, root: int) -> None:
     """The measuring helper: one connection at a time on the Unix socket `path`, one JSON request in and one
-    answer out on each, until process `root` has ended."""
+    answer out on each, until process `root` has ended or nothing has asked for HELPER_IDLE_SECONDS."""
     torch.set_num_threads(threads)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
     listener.settimeout(1.0)
+    last = time.monotonic()
     try:
-        while _alive(root):
+        while _alive(root) and time.monotonic() - last < HELPER_IDLE_SECONDS:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
+            last = time.monotonic()
             with conn, conn.makefile("rw") as stream:
                 conn.settimeout(None)
                 line = stream.readline()
