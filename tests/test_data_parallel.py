@@ -410,3 +410,15 @@ def test_an_oom_on_one_rank_restarts_every_rank_in_the_next_configuration(tmp_pa
     one = train(builtin("gpt-tiny"), 3, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
                 progress=False)
     assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
+
+
+def test_a_run_across_ranks_predicts_memory_without_calibrating_for_a_step_time(monkeypatch):
+    """A run's report does not predict step times across ranks yet, so rank 0's prediction must not start a
+    calibration for one (on a new machine the ranks' one-thread calibration added ~20-45 s to every first run)."""
+    from memfit.memory.devices import get_device
+    from memfit.planner import search
+    from memfit.runtime.run import predict
+
+    monkeypatch.setattr(search, "profile_for", lambda dev: pytest.fail("calibrated for a step time it throws away"))
+    p = predict(builtin("gpt-tiny"), Config(micro_batch=4, gpus=2, data_parallel="fsdp"), get_device("cpu"))
+    assert p.step_seconds is None and p.peak_bytes > 0
