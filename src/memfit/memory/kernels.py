@@ -510,9 +510,7 @@ def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process now has the id: ours has ended
+    except (ProcessLookupError, PermissionError):  # gone, or the id now belongs to another user's process
         return False
 
 

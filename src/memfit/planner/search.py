@@ -515,11 +515,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # families that would need accumulation (they do not fit the whole rank batch in one micro-batch), unless
     # their forward pass alone is over the budget there: it is the same pass with or without the optimizer
     # in backward, so its peak is a floor under that family's.
+    accumulating = [(b, fam) for b, fam in families.items()
+                    if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16")
+                    and micro_batch in (None, per_rank) and per_rank >= fam.sizes[0]
+                    and fam.memory(per_rank, 1, cpu) > usable]
     tight = []
-    for b, fam in families.items():
-        if not (gpus == 1 and not (b.offload_optimizer or b.precision == "fp16") and micro_batch in (None, per_rank)
-                and per_rank >= fam.sizes[0] and fam.memory(per_rank, 1, cpu) > usable):
-            continue
+    for b, fam in accumulating:
         in_backward = b.replace(optimizer_in_backward=True)
         forward = fam.memory(per_rank, 1, cpu, phases={Phase.FORWARD: fam.phases(per_rank, 1)[Phase.FORWARD]})
         if forward <= usable:
