@@ -341,18 +341,14 @@ def test_step_time_model_prices_each_class_of_op_by_its_own_curve():
         assert _busy(CURVED, name, "f32", 0, 1e9) == pytest.approx(0.5), name
     assert _busy(CURVED, "silu", "lp", 0, 1e9) == pytest.approx(0.1)  # no special bf16 curve: elementwise's
     assert _busy(CURVED, "_unsafe_view", "f32", 0, 1e9) == 0  # moves no data, though not marked a view
-    # a fake tensor's `.device` is an op only under fake tensors: no time, no dispatch
-    from memfit.planner.costmodel import phase_seconds
-    assert phase_seconds(CURVED, _ops(("device", "f32", 0, 1e9)), ("forward",)) == 0
 
 
-def test_traced_attention_is_priced_by_flops_and_fake_only_ops_are_dropped(gpt):
-    from memfit.planner.costmodel import OpTable
+def test_traced_attention_is_priced_by_flops_and_fake_only_ops_are_not_recorded(gpt):
     ops = probe(gpt, Config(micro_batch=2)).ops
     attention = [(k, f) for n, k, f in zip(ops.name, ops.kind, ops.flops) if "attention" in n]
     assert attention and all(k == "f32" and f > 0 for k, f in attention)  # not "rng" for its dropout argument
-    assert "device" in ops.name
-    assert int(OpTable(ops).real.sum()) == sum(n != "device" for n in ops.name)
+    # a fake tensor's `.device` goes through the dispatcher (a real one's does not): not an op of the step
+    assert "device" not in ops.name and len(ops) > 100
 
 
 def _measured(**changes) -> Profile:

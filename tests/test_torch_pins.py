@@ -24,6 +24,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
+    pinned |= {"DEVICE_QUERY"}  # passed on unrecorded by every mode
     assert set(ti.__all__) == pinned
 
 
@@ -102,6 +103,28 @@ def test_a_dispatch_mode_sees_ops_below_autograd_and_pytree_flattens_nested_outp
     assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.expand.default in seen  # sum's backward
     a, b = torch.ones(1), torch.zeros(2)
     assert ti.tree_leaves({"k": [a, (b, 3)]}) == [a, b, 3]
+
+
+def test_a_fake_tensors_device_is_dispatched_as_the_pinned_op_and_a_real_ones_is_not():
+    seen = []
+
+    class Spy(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    real = torch.randn(4, requires_grad=True)
+    with new_fake_mode() as mode:
+        fake = mode.from_tensor(real)
+        with Spy():
+            (fake * 2).sum().backward()
+            assert fake.device == torch.device("cpu")
+    assert seen.count(ti.DEVICE_QUERY) > 1  # autograd's own queries and the one above
+    seen.clear()
+    with Spy():
+        (real * 2).sum().backward()
+        assert real.device == torch.device("cpu")
+    assert seen and ti.DEVICE_QUERY not in seen
 
 
 def test_grad_scaler_tensors_are_the_scale_and_growth_tracker():

@@ -28,7 +28,8 @@ import torch
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import TorchDispatchMode, detach_sharing_version, held_by, storage_key, tree_leaves
+from memfit.torch_internals import DEVICE_QUERY, TorchDispatchMode, detach_sharing_version, held_by, storage_key, \
+    tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -326,7 +327,7 @@ class LiveBytes(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _Scoped.quiet:
+        if _Scoped.quiet or func is DEVICE_QUERY:
             return func(*args, **kwargs)
         try:
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
@@ -376,7 +377,7 @@ class OpRecorder(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _Scoped.quiet:
+        if _Scoped.quiet or func is DEVICE_QUERY:
             return func(*args, **kwargs)
         out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))
         flops = op_flops(func, args, kwargs, out)

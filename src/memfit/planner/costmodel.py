@@ -127,17 +127,13 @@ KINDS = {"f32": 0, "lp": 1, "view": 2, "rng": 3, "host": 4, "link": 5, "comm": 6
 PHASES = {"setup": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
-# Recorded on fake tensors only: a fake tensor's `.device` is an op (prim.device); a real one's is not. In a
-# traced step they outnumbered the real ops (7,656 to 4,111 in the sort demo at micro-batch 8 x 8).
-NOT_OPS = frozenset({"device"})
 # Ops aten does not mark as views that still move no data: dispatch only.
 ALIASES = frozenset({"_unsafe_view", "alias", "lift_fresh"})
 
 
 class OpTable:
     """A step's op trace as tensors, built once: the planner prices them many times. Rows stay
-    in step with the records (two probes' tables are compared row by row); `real` marks the ones that are
-    ops in a real step."""
+    in step with the records (two probes' tables are compared row by row)."""
 
     def __init__(self, ops: OpTrace):
         names = ops.name
@@ -148,7 +144,6 @@ class OpTable:
                                  dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops.phase], dtype=torch.int8)
         self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
-        self.real = torch.tensor([n not in NOT_OPS for n in names], dtype=torch.bool)
         # collectives: 1 all-gather / reduce-scatter (S (n-1)/n through each rank), 2 all-reduce (twice that)
         self.collective = torch.tensor([2 if n.startswith("allreduce") else 1 if k == "comm" else 0
                                         for n, k in zip(names, ops.kind)], dtype=torch.int8)
@@ -195,7 +190,7 @@ def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flo
     flops = table.flops if flops is None else flops
     nbytes = table.bytes if nbytes is None else nbytes
     alloc = table.alloc if alloc is None else alloc
-    sel = table.mask(phases) & table.real
+    sel = table.mask(phases)
     dev = sel & (table.kind <= KINDS["rng"])
     host = sel & (table.kind == KINDS["host"])
     busy = float(_device_seconds(profile, flops[dev], nbytes[dev], alloc[dev], table.kind[dev], table.cls[dev]).sum())
