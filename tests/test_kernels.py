@@ -246,6 +246,37 @@ def test_reductions_that_accumulate_in_int64_hold_a_copy_on_the_cpu():
     assert memfit.estimate(wl, cfg).peak_bytes == real_step_peak(wl, cfg)
 
 
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_gloo_collectives_hold_on_the_calling_thread_what_is_counted(tmp_path, collective):
+    """FSDP2's collectives on CPU ranks: gloo's all-gather holds an output-sized block, and its reduce-scatter
+    a clone of its input, on the calling thread for the call (its own thread's buffers are not counted)."""
+    import torch.distributed as dist
+
+    from memfit.memory.kernels import CpuWorkspaces
+    from memfit.torch_internals import profiler_allocations
+
+    big, small = torch.ones(3000, dtype=torch.bfloat16), torch.empty(3000, dtype=torch.bfloat16)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            if collective == "all_gather":
+                dist.all_gather_into_tensor(big, small)
+            else:
+                dist.reduce_scatter_tensor(small, big)
+    finally:
+        dist.destroy_process_group()
+    _, events = profiler_allocations(prof, "none")
+    held = running = 0
+    for _, nbytes, _, op, _ in events:
+        if op.startswith("c10d::"):  # the calling thread's; gloo's own thread runs under "gloo:*"
+            running += nbytes
+            held = max(held, running)
+    func = getattr(torch.ops.c10d, "_allgather_base_" if collective == "all_gather" else "_reduce_scatter_base_").default
+    args = (big, small) if collective == "all_gather" else (small, big)
+    assert held == 6000  # the clone is freed as the call returns, outside the op
+    assert CpuWorkspaces()(func, args, {}, args[0]) == held
+
+
 def test_a_fresh_cache_measures_each_signature_in_the_helper(tmp_path, monkeypatch):
     """On a new machine (an empty cache) the measuring helper answers: a bf16 matmul and FSDP2's chunk_cat
     are measured, counted and written to the cache; none fails. (A helper that could not start once made

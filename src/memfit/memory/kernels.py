@@ -60,9 +60,9 @@ element. Profiled for bool, uint8, int32, bf16->fp32 and fp32->fp64, full and pe
 
 Data parallelism on CPU ranks (gloo): FSDP2's `fsdp.chunk_cat` (a unit's gradients into the reduce-scatter
 input) pads and copies into temporaries on the CPU: measured per call signature like the convolutions.
-gloo's reduce-scatter clones its input on the calling thread for the duration of the call: counted there
-(input bytes). gloo's all-gather gathers into an output-sized buffer on its own thread, racing the step:
-not counted (the estimate says so). Per-rank estimates against real gloo ranks: BENCHMARKS.md.
+gloo's reduce-scatter clones its input, and its all-gather holds an output-sized block, on the calling thread
+for the duration of the call: counted there. gloo's all-gather also gathers into an output-sized buffer on
+its own thread, racing the step: not counted (the estimate says so). Per-rank estimates against real gloo ranks: BENCHMARKS.md.
 
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):
@@ -167,8 +167,12 @@ MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.de
 MEASURED_OP_NAMES = frozenset({"fsdp.chunk_cat.default"})
 # gloo's reduce-scatter (FSDP2's gradient reduction on CPU ranks) clones its input on the calling thread
 # and frees the clone when the collective is done (profiled: one input-sized aten::clone inside every
-# c10d::_reduce_scatter_base_ call, freed before FSDP2 issues anything else). NCCL reduces in place.
+# c10d::_reduce_scatter_base_ call, freed before FSDP2 issues anything else). Its all-gather (FSDP2's
+# parameter gather) likewise holds an output-sized block on the calling thread for the call (one aten::empty
+# inside every c10d::_allgather_base_, freed before it returns), beside the buffer on gloo's own thread.
+# NCCL reduces in place and gathers into the output.
 GLOO_REDUCE_SCATTER = "c10d._reduce_scatter_base_.default"
+GLOO_ALL_GATHER = "c10d._allgather_base_.default"
 # Matmuls in bf16 / fp16 go to oneDNN too, which takes an fp32 accumulator and per-thread packing buffers
 # from the same allocator; fp32 matmuls go to MKL, whose buffers PyTorch's allocator never sees.
 LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
@@ -277,6 +281,8 @@ class CpuWorkspaces:
             return x.numel() * out.element_size() if isinstance(out, torch.Tensor) and out.dtype != x.dtype else 0
         if str(func) == GLOO_REDUCE_SCATTER:
             return args[1].untyped_storage().nbytes()
+        if str(func) == GLOO_ALL_GATHER:
+            return args[0].numel() * args[0].element_size()
         if func not in MEASURED_OPS and str(func) not in MEASURED_OP_NAMES and not (func in LOW_PRECISION_MATMULS and out.dtype in (torch.bfloat16,
                                                                                          torch.float16)):
             return 0
