@@ -136,10 +136,10 @@ def test_cli_estimates_per_rank_and_refuses_bad_layouts_in_one_line(capfd):
     assert code == 2 and "a h100 node holds at most 8" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("layout,precision,checkpoint,accum", [
-    ("fsdp", "fp32", "none", 1), ("fsdp", "bf16", "all", 1), ("fsdp-no-reshard", "fp32", "all", 1),
-    ("ddp", "fp32", "none", 1), ("ddp", "bf16", "all", 2)])
-def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint, accum):
+@pytest.mark.parametrize("layout,precision,checkpoint,accum,chunks", [
+    ("fsdp", "fp32", "none", 1, 1), ("fsdp", "bf16", "all", 1, 1), ("fsdp-no-reshard", "fp32", "all", 1, 1),
+    ("ddp", "fp32", "none", 1, 1), ("ddp", "bf16", "all", 2, 1), ("fsdp", "bf16", "none", 1, 4)])
+def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint, accum, chunks):
     """Two real ranks (forked processes, gloo) train gpt-tiny under FSDP2 or DDP as memfit applies it (DDP at
     micro-batch 8: its buckets hold every gradient from the start of backward, 0.66 MB above one process's
     peak); each measures
@@ -153,7 +153,7 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
 
     wl = builtin("gpt-tiny")
     cfg = Config(micro_batch=8 // accum, grad_accum=accum, gpus=2, data_parallel=layout, precision=precision,
-                 activation_checkpoint=checkpoint)
+                 activation_checkpoint=checkpoint, loss_chunks=chunks)
     est = memfit.estimate(wl, cfg)
     lowest = min(rank_step_peaks(wl, cfg))
     for _ in range(4):
@@ -176,14 +176,16 @@ def _train_and_gather(config: Config, steps: int):
     return losses, weights
 
 
-@pytest.mark.parametrize("n,layout", [(2, "fsdp"), (4, "fsdp-no-reshard"), (2, "ddp")])
-def test_training_on_ranks_equals_one_process(n, layout):
+@pytest.mark.parametrize("n,layout,chunks", [(2, "fsdp", 1), (4, "fsdp-no-reshard", 1), (2, "ddp", 1), (2, "fsdp", 3)])
+def test_training_on_ranks_equals_one_process(n, layout, chunks):
     """Each rank draws the same seeded global batch and keeps its rows; FSDP2 (or DDP) averages the
-    gradients; the loss and the final weights equal one process's (fp32; 1e-5: only the order of the sums differs)."""
+    gradients; the loss and the final weights equal one process's (fp32; 1e-5: only the order of the sums
+    differs). A chunked loss calls the LM head after the model's forward: FSDP2 keeps the root's parameters
+    gathered from its forward to its backward, so the head's weight is whole there too."""
     from truth import on_gloo_ranks
 
     one_losses, one_weights = _train_and_gather(Config(micro_batch=4, grad_accum=4), steps=3)
-    cfg = Config(micro_batch=4, grad_accum=16 // (4 * n), gpus=n, data_parallel=layout)
+    cfg = Config(micro_batch=4, grad_accum=16 // (4 * n), gpus=n, data_parallel=layout, loss_chunks=chunks)
     results = on_gloo_ranks(n, lambda rank: _train_and_gather(cfg, steps=3))
     for losses, weights in results:
         assert losses == pytest.approx(one_losses, rel=1e-5, abs=1e-6)

@@ -130,9 +130,6 @@ class Config:
             raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
         if self.fsdp and self.base_4bit:
             raise ConfigError("4-bit base weights are not built with FSDP's sharded parameters yet: use ddp")
-        if self.fsdp and self.loss_chunks > 1:
-            raise ConfigError("a chunked loss calls the LM head after FSDP's root forward has resharded it: not "
-                              "built with FSDP yet, use ddp")
 
     @property
     def global_batch(self) -> int:

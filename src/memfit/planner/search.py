@@ -445,7 +445,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
              for layout in layouts for p, act, opt in variants for ck in checkpoints for eight in eights
              for four in fours
              # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
-             for chunks in ((1, LOSS_CHUNKS) if ck == "all" and layout not in fsdp else (1,))
+             for chunks in ((1, LOSS_CHUNKS) if ck == "all" else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)
              and not ((eight or four) and layout in fsdp)]
