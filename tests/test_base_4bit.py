@@ -89,13 +89,12 @@ def test_qlora_on_a_transformers_model_and_the_estimate_equals_the_profiler(prec
     plain = memfit.estimate(wl, config.replace(base_4bit=False), device="cpu")
     # the base's Linear weights (fp32: 4 bytes a weight) become 0.52 bytes a weight
     assert est.model_state_bytes["parameters"] < 0.6 * plain.model_state_bytes["parameters"]
+    assert est.parameters == plain.parameters  # a 4-bit layer counts as its weights, not the bytes storing them
 
 
 def test_what_it_cannot_do_is_refused():
     with pytest.raises(memfit.MemfitError, match="add --lora"):
         memfit.estimate(load_workload("gpt-tiny"), Config(base_4bit=True))
-    with pytest.raises(memfit.MemfitError, match="FSDP"):
-        Config(base_4bit=True, gpus=2, data_parallel="fsdp")
 
 
 def test_the_planner_quantizes_the_base_only_when_allowed():

@@ -128,8 +128,6 @@ class Config:
             raise ConfigError("offload with data_parallel is not supported yet")
         if self.fsdp and self.optimizer_8bit:
             raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
-        if self.fsdp and self.base_4bit:
-            raise ConfigError("4-bit base weights are not built with FSDP's sharded parameters yet: use ddp")
 
     @property
     def global_batch(self) -> int:

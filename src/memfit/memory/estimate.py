@@ -30,6 +30,7 @@ from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase, seeing_saved)
 from memfit.step import TrainStep
+from memfit.strategies.base_4bit import weight_count
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.strategies.cuda_kernels import fused_elsewhere
@@ -379,7 +380,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     notes = notes + workspaces.notes()
     labels = _labels(step, tracker, saved)
     model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c) for c in MODEL_STATE}
-    n_params = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
+    n_params = weight_count(step.model)
     est = _summarise(workload, step.config, dev, tracker, recorder, labels, model_state, n_params, notes)
     est.moved_bytes = recorder.trace.moved_bytes = step.moved_bytes
     est.host_peak_bytes = tracker.host_peak if cuda_target else None

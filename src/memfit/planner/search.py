@@ -448,14 +448,14 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
              for chunks in ((1, LOSS_CHUNKS) if ck == "all" else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
              if not (act and ck != "none" and activation_checkpoint is None)
-             and not ((eight or four) and layout in fsdp)]
+             and not (eight and layout in fsdp)]
     if "8bit-optim" in allowed:
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
                      "instead of 8; not with FSDP's sharded parameters yet")
     if "qlora" in allowed and adapted:
         notes.append("4-bit base weights allowed (they change the math): the frozen Linear layers in NF4 with double "
-                     "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight; not with FSDP yet")
+                     "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight")
     families: dict[Config, _Family] = {}
     verdicts: list[tuple[str, str]] = []
     smallest_need: dict[str, int] = {}

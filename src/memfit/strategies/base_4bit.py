@@ -85,8 +85,10 @@ class Linear4bit(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = compute_dtype
+        # frozen parameters, not buffers: FSDP2 shards a module's parameters only (as it shards torchao's NF4
+        # weights in torchtune's QLoRA), and gathers these in bytes beside the unit's other dtypes
         for name, value in quantize(weight).items():
-            self.register_buffer(name, value)
+            setattr(self, name, torch.nn.Parameter(value, requires_grad=False))
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -109,6 +111,18 @@ class Linear4bit(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nf4"
+
+
+STORED = ("codes", "absmax", "absmax_scale", "absmax_mean")
+
+
+def weight_count(model: torch.nn.Module) -> int:
+    """The weights `model` stands for: its parameters, a 4-bit layer's counted as its out x in weights rather
+    than as the bytes that store them."""
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    stored = {id(getattr(m, name)) for m in layers for name in STORED}
+    params = {id(p): p for p in model.parameters() if id(p) not in stored}
+    return sum(p.numel() for p in params.values()) + sum(m.out_features * m.in_features for m in layers)
 
 
 def _weight_of(module: torch.nn.Module) -> torch.Tensor | None:
@@ -157,4 +171,4 @@ def apply_base_4bit(model: torch.nn.Module, layers: list[tuple[torch.nn.Module, 
         model.to(device)
 
 
-__all__ = ["Linear4bit", "apply_base_4bit", "check_base_4bit", "nf4_levels"]
+__all__ = ["Linear4bit", "apply_base_4bit", "check_base_4bit", "nf4_levels", "weight_count"]
