@@ -291,8 +291,13 @@ def _time(fn, sync=lambda: None, budget: float = 0.1) -> float:
 def calibrate(device: str = "cpu", attempts: int = 2) -> Profile:
     """Measure this machine's device (about 30 s on a CPU). A calibration whose figures look wrong (see
     `_problems`) is measured again, up to `attempts` times; the last one is returned with its problems."""
+    dev = torch.device(device)
     for _ in range(attempts):
-        profile = _calibrate_once(torch.device(device))
+        try:
+            profile = _calibrate_once(dev)
+        finally:  # the random numbers the measurements took their inputs from (`_cold`)
+            for key in [k for k in _POOLS if k[0] == str(dev)]:
+                del _POOLS[key]
         if not profile.problems:
             break
     return profile
@@ -366,10 +371,33 @@ def _kernel(seconds: float, dispatch: float) -> float:
 COLD_BYTES = 96 * 2**20  # more than a last-level cache holds
 
 
-def _cold(make, nbytes: int):
-    """A function returning the next of as many input sets from `make()` as it takes for each to be used
-    again only after COLD_BYTES of others: a step's tensors come from memory, not from a hot cache."""
-    sets = [make() for _ in range(max(1, COLD_BYTES // max(nbytes, 1)))]
+POOL_BYTES = COLD_BYTES + 16 * 2**20
+_POOLS: dict = {}  # (device, dtype) -> POOL_BYTES of random normal numbers, for the calibration under way
+
+
+def _cold(shapes, dtype, dev, nbytes: int, grads: int = 0):
+    """A function returning the next of as many sets of tensors of `shapes` as it takes for each to be used
+    again only after COLD_BYTES of others (`nbytes` counted for a set): a step's tensors come from memory,
+    not from a hot cache. The sets are consecutive slices of one buffer of random normal numbers, each
+    tensor on a 64-byte line, made once per calibration: making every set afresh took over half of a
+    calibration. The first `grads` tensors of a set are leaves that require grad; a set larger than the
+    buffer is made on its own."""
+    key = (str(dev), dtype)
+    if key not in _POOLS:
+        _POOLS[key] = torch.randn(POOL_BYTES // dtype.itemsize, device=dev, dtype=dtype)
+    pool = _POOLS[key]
+    align = 64 // dtype.itemsize
+    sizes = [math.prod(s) for s in shapes]
+    strides = [-(-n // align) * align for n in sizes]
+    count = min(max(1, COLD_BYTES // max(nbytes, 1)), pool.numel() // sum(strides))
+    sets, offset = [], 0
+    for _ in range(count):
+        sets.append(tuple(pool[offset + sum(strides[:i]):offset + sum(strides[:i]) + n].view(shape)
+                          .requires_grad_(i < grads) for i, (shape, n) in enumerate(zip(shapes, sizes))))
+        offset += sum(strides)
+    if not sets:
+        sets.append(tuple(torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(i < grads)
+                          for i, shape in enumerate(shapes)))
     turn = itertools.count()
     return lambda: sets[next(turn) % len(sets)]
 
@@ -380,8 +408,7 @@ def _matmul_curve(dev, dtype, shapes, dispatch, sync, by_bytes: bool = False) ->
     pts = []
     for tokens, d in shapes:
         moved = (2 * tokens * d + d * d) * dtype.itemsize  # each of the three reads two of x, w, g, writes one
-        nxt = _cold(lambda: tuple(torch.randn(*s, device=dev, dtype=dtype) for s in ((tokens, d), (d, d), (tokens, d))),
-                    moved)
+        nxt = _cold([(tokens, d), (d, d), (tokens, d)], dtype, dev, moved)
         matmuls = (lambda x, w, g: x @ w.t(), lambda x, w, g: g @ w, lambda x, w, g: g.t() @ x)
         t = sum(_kernel(_time(lambda: mm(*nxt()), sync=sync), dispatch) for mm in matmuls)
         pts.append([3 * moved if by_bytes else 3 * 2.0 * tokens * d * d, t])
@@ -404,14 +431,15 @@ def _heavy_curves(dev, dtype, tag, cls, fn, name, families, dispatch, sync) -> d
     for key, shapes in zip(("_bytes", ""), families):
         fwd, bwd = [], []
         for shape in shapes:
-            def make():
-                inputs = tuple(torch.randn(*s, device=dev, dtype=dtype, requires_grad=True) for s in shape)
-                return inputs, torch.randn_like(fn(*inputs))
-            inputs, grad = make()
-            nxt = _cold(make, 2 * sum(t.numel() * t.element_size() for t in (*inputs, grad)))
-            forward = _time(lambda: fn(*nxt()[0]), sync=sync)
+            with torch.no_grad():
+                result = fn(*(torch.empty(*s, device=dev, dtype=dtype) for s in shape)).shape
+            n = len(shape)
+            numel = sum(math.prod(s) for s in (*shape, result))
+            nxt = _cold([*shape, result], dtype, dev, 2 * numel * dtype.itemsize, grads=n)
+            *inputs, grad = nxt()
+            forward = _time(lambda: fn(*nxt()[:n]), sync=sync)
             backward = lambda inputs, grad: torch.autograd.grad(fn(*inputs), inputs, grad)  # noqa: E731
-            both = _time(lambda: backward(*nxt()), sync=sync)
+            both = _time(lambda: (lambda one: backward(one[:n], one[n]))(nxt()), sync=sync)
             f_rec = _records(lambda: fn(*inputs), name)
             b_rec = _records(lambda: backward(inputs, grad), name + "_backward")
             index = 1 if key else 0  # by bytes, or by FLOPs
@@ -458,8 +486,7 @@ def _elementwise_curve(dev, dtype, fn, dispatch, sync) -> list:
     LARGE_ALLOC), cold (`_cold`)."""
     pts = []
     for numel in (4096, 65536, 2**20, 2**22):
-        nxt = _cold(lambda: tuple(torch.randn(numel // 256, 256, device=dev, dtype=dtype) for _ in range(3)),
-                    3 * numel * dtype.itemsize)
+        nxt = _cold([(numel // 256, 256)] * 3, dtype, dev, 3 * numel * dtype.itemsize)
         tensors = fn(*nxt())
         seconds = _time(lambda: fn(*nxt()), sync=sync)
         pts.append([tensors * numel * dtype.itemsize, _kernel(seconds, dispatch * (tensors // 3))])

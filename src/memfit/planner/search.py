@@ -919,13 +919,23 @@ def max_micro_batch(workload: Workload, budget=None, device: str | Device = "cpu
             if ok:
                 lo, lo_used, step = lo + step, u, step * 2
             else:
-                hi = lo + step
+                hi, hi_used = lo + step, u
     else:
-        lo, lo_used, hi = smallest - 1, None, guess
-    while hi - lo > 1:  # bisect between the last that fits and the first that does not
-        mid = (lo + hi) // 2
+        lo, lo_used, hi, hi_used = smallest - 1, None, guess, used
+    # between the last that fits and the first that does not: where the line through the nearest full
+    # estimates on each side (below, the probes' prediction until one is made) meets the budget, which
+    # lands on the answer in a step or two as memory is nearly linear in the micro-batch; a step that
+    # does not halve the interval is followed by a bisection, so the search cannot crawl
+    bisect = False
+    while hi - lo > 1:
+        width = hi - lo
+        below = (lo, lo_used) if lo_used is not None else (smallest, fam.memory(smallest, 1, cpu))
+        slope = (hi_used - below[1]) / (hi - below[0]) if hi_used is not None and hi > below[0] else 0
+        mid = (lo + hi) // 2 if bisect or slope <= 0 else below[0] + int((usable - below[1]) // slope)
+        mid = min(max(mid, lo + 1), hi - 1)
         ok, u = fits(mid)
-        lo, lo_used, hi = (mid, u, hi) if ok else (lo, lo_used, mid)
+        lo, lo_used, hi, hi_used = (mid, u, hi, hi_used) if ok else (lo, lo_used, mid, u)
+        bisect = not bisect and hi - lo > width / 2
     if lo < smallest:
         raise PlanError(f"even micro-batch {smallest} does not fit in {fmt_bytes(budget_bytes)} on {dev.name} "
                         f"with {_family_name(base)}: it needs {fmt_bytes(fits(smallest)[1])}")
