@@ -223,7 +223,7 @@ def predicted_parts(profile, ops) -> dict:
     for label, phases in (("fwd_bwd", ("forward", "backward")), ("opt", ("optimizer", "setup"))):
         sel = table.mask(phases) & (table.kind <= KINDS["rng"])
         busy = float(costmodel._device_seconds(profile, table.flops[sel], table.bytes[sel], table.alloc[sel],
-                                               table.kind[sel]).sum())
+                                               table.kind[sel], table.cls[sel]).sum())
         out[f"{label}_busy_s"] = busy
         out[f"{label}_dispatch_s"] = int(sel.sum()) * profile.op_overhead
         out[f"{label}_ops"] = int(sel.sum())

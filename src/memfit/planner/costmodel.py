@@ -289,7 +289,7 @@ def _time(fn, sync=lambda: None, budget: float = 0.1) -> float:
 
 
 def calibrate(device: str = "cpu", attempts: int = 2) -> Profile:
-    """Measure this machine's device (about 30 s on a CPU). A calibration whose figures look wrong (see
+    """Measure this machine's device (about 10 s on a 2-core CPU). A calibration whose figures look wrong (see
     `_problems`) is measured again, up to `attempts` times; the last one is returned with its problems."""
     dev = torch.device(device)
     for _ in range(attempts):
@@ -676,7 +676,8 @@ def profile_for(dev: Device) -> Profile:
         why = "no calibration yet" if profile is None else stale(profile)
         if why:
             kind = "CPU" if dev.kind == "cpu" else "GPU"
-            print(f"memfit: calibrating this {kind} for step times ({why}; ~30 s), cached at {profile_path(key)}",
+            took = "; ~10 s" if dev.kind == "cpu" else ""  # a GPU's has not been timed here
+            print(f"memfit: calibrating this {kind} for step times ({why}{took}), cached at {profile_path(key)}",
                   file=sys.stderr, flush=True)
             profile = calibrate("cpu" if dev.kind == "cpu" else "cuda")
             save_profile(profile, key)  # a suspect one too: measured again in an hour, not at every plan
