@@ -30,9 +30,9 @@ from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder, OpTrace,
                                    Phase, seeing_saved)
 from memfit.step import TrainStep
-from memfit.strategies.base_4bit import weight_count
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
+from memfit.strategies.base_4bit import weight_count
 from memfit.strategies.cuda_kernels import fused_elsewhere
 from memfit.torch_internals import fake_process_group, grad_scaler_tensors, held_by, storage_key
 from memfit.units import fmt_bytes

@@ -62,7 +62,8 @@ Data parallelism on CPU ranks (gloo): FSDP2's `fsdp.chunk_cat` (a unit's gradien
 input) pads and copies into temporaries on the CPU: measured per call signature like the convolutions.
 gloo's reduce-scatter clones its input, and its all-gather holds an output-sized block, on the calling thread
 for the duration of the call: counted there. gloo's all-gather also gathers into an output-sized buffer on
-its own thread, racing the step: not counted (the estimate says so). Per-rank estimates against real gloo ranks: BENCHMARKS.md.
+its own thread, racing the step: not counted (the estimate says so). Per-rank estimates against real gloo
+ranks: BENCHMARKS.md.
 
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):

@@ -388,13 +388,13 @@ def _cold(shapes, dtype, dev, nbytes: int, grads: int = 0):
     pool = _POOLS[key]
     align = 64 // dtype.itemsize
     sizes = [math.prod(s) for s in shapes]
-    strides = [-(-n // align) * align for n in sizes]
-    count = min(max(1, COLD_BYTES // max(nbytes, 1)), pool.numel() // sum(strides))
-    sets, offset = [], 0
-    for _ in range(count):
-        sets.append(tuple(pool[offset + sum(strides[:i]):offset + sum(strides[:i]) + n].view(shape)
-                          .requires_grad_(i < grads) for i, (shape, n) in enumerate(zip(shapes, sizes))))
-        offset += sum(strides)
+    ends = list(itertools.accumulate(-(-n // align) * align for n in sizes))  # within a set, aligned
+    count = min(max(1, COLD_BYTES // max(nbytes, 1)), pool.numel() // ends[-1])
+    sets = []
+    for base in range(0, count * ends[-1], ends[-1]):
+        starts = [base + end for end in [0] + ends[:-1]]
+        sets.append(tuple(pool[start:start + n].view(shape).requires_grad_(i < grads)
+                          for i, (start, n, shape) in enumerate(zip(starts, sizes, shapes))))
     if not sets:
         sets.append(tuple(torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(i < grads)
                           for i, shape in enumerate(shapes)))
@@ -437,9 +437,14 @@ def _heavy_curves(dev, dtype, tag, cls, fn, name, families, dispatch, sync) -> d
             numel = sum(math.prod(s) for s in (*shape, result))
             nxt = _cold([*shape, result], dtype, dev, 2 * numel * dtype.itemsize, grads=n)
             *inputs, grad = nxt()
-            forward = _time(lambda: fn(*nxt()[:n]), sync=sync)
             backward = lambda inputs, grad: torch.autograd.grad(fn(*inputs), inputs, grad)  # noqa: E731
-            both = _time(lambda: (lambda one: backward(one[:n], one[n]))(nxt()), sync=sync)
+
+            def forward_backward():
+                *ins, g = nxt()
+                return backward(ins, g)
+
+            forward = _time(lambda: fn(*nxt()[:n]), sync=sync)
+            both = _time(forward_backward, sync=sync)
             f_rec = _records(lambda: fn(*inputs), name)
             b_rec = _records(lambda: backward(inputs, grad), name + "_backward")
             index = 1 if key else 0  # by bytes, or by FLOPs
