@@ -1,6 +1,7 @@
 """4-bit base weights (QLoRA, issue 14): the NF4 levels, the stored layout and its rounding, the layer's
 math and what it keeps for backward, a transformers model trained with it, the estimate against the
 profiler, the planner only when allowed, refusals, and a bit-identical resume."""
+import contextlib
 import math
 
 import pytest
@@ -111,3 +112,22 @@ def test_a_resumed_run_ends_bit_identical(tmp_path):
     whole, resumed = whole_and_resumed(tmp_path, wl, Config(micro_batch=4, base_4bit=True))
     assert resumed.config.base_4bit
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()
+
+
+def test_a_fake_trace_records_a_weights_identical_chunks_from_one(monkeypatch):
+    """On fake tensors the first of a weight's identical chunks is traced and its ops recorded once for each
+    of them: the peak, the allocator's figures and every recorded op as when each chunk is traced (a
+    405B's step has ~575,000 chunks)."""
+    import memfit.memory.estimate as estimate_module
+    from memfit.strategies import base_4bit
+
+    monkeypatch.setattr(base_4bit, "CHUNK", 3 * BLOCK)  # many chunks a weight, and a partial last one
+    wl = lora(load_workload("hf:llama"), r=4, targets="q_proj,v_proj")
+    config = Config(micro_batch=2, precision="bf16", base_4bit=True, activation_checkpoint="all")
+    once = estimate_module.probe(wl, config, device="h100")
+    monkeypatch.setattr(estimate_module, "chunks_traced_once", lambda tracer: contextlib.nullcontext())
+    each = estimate_module.probe(wl, config, device="h100")
+    assert once.ops == each.ops and len(once.ops) > 1000
+    for field in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "phase_peaks", "flops",
+                  "recompute_flops", "breakdown"):
+        assert getattr(once.estimate, field) == getattr(each.estimate, field), field

@@ -32,7 +32,7 @@ from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes,
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.strategies.base_4bit import weight_count
+from memfit.strategies.base_4bit import chunks_traced_once, weight_count
 from memfit.strategies.cuda_kernels import fused_elsewhere
 from memfit.torch_internals import fake_process_group, grad_scaler_tensors, held_by, storage_key
 from memfit.units import fmt_bytes
@@ -366,7 +366,8 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     step.move = lambda b, d: _tag(tracker, move(b, d))
     scope = ModuleScope(step.model, tracker, recorder)
     try:  # the recorder on top: it sees each op as the step issues it, before the counter does
-        with seeing_saved(pack), tracker, recorder:
+        with seeing_saved(pack), tracker, recorder, \
+                chunks_traced_once(recorder) if mode is not None else contextlib.nullcontext():
             step(batch)
     except Exception as e:
         if mode is not None:  # what the fake step got through, for the fallback's host check and its message

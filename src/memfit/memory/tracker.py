@@ -425,6 +425,21 @@ class OpRecorder(_Scoped):
         tr.phase.append(self.phase)
         tr.name.append(name)
 
+    def ops_recorded(self) -> int:
+        return len(self.trace)
+
+    def repeat_ops(self, since: int, times: int) -> None:
+        """Record the ops recorded from position `since` on `times` more times, as if they had run again (a
+        4-bit weight's identical chunks, traced once: strategies/base_4bit.py)."""
+        tr = self.trace
+        flops = sum(tr.flops[since:]) * times
+        for column in (tr.flops, tr.bytes, tr.alloc, tr.kind, tr.phase, tr.name):
+            column.extend(column[since:] * times)
+        if flops:
+            self.flops_by_module[self.module] = self.flops_by_module.get(self.module, 0) + flops
+            if self.phase == Phase.BACKWARD and self.module_stack:
+                self.recompute_flops += flops
+
 
 def _op_facts(func) -> tuple[str, str]:
     """What `_record` needs to know of an op that does not change between calls: "view", "comm" (a
