@@ -203,16 +203,18 @@ def main() -> None:
         Path(args.child_out).write_text(json.dumps(one(args.child)))
         return
     archs = args.only.split(",") if args.only else architectures()
-    done = {}
-    if args.resume and Path(args.out).exists():
-        done = {r["arch"]: r for r in json.loads(Path(args.out).read_text()) if r["method"] == "fake"}
+    before = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
+    done = {r["arch"]: r for r in before if r["method"] == "fake"} if args.resume else {}
     rows = []
     for i, arch in enumerate(archs):
         row = done.get(arch) or run_child(arch, args.timeout)
         rows.append(row)
         print(f"[{i + 1}/{len(archs)}] {arch}: {row['method']} {row['wall_s']:.1f} s "
               f"{max(row['max_rss_bytes'], row['tree_rss_bytes']) / 2**30:.2f} GiB {row.get('reason', '')}", flush=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        # --only redoes some rows of the table: the others stay as they were, in their places
+        redone = {r["arch"]: r for r in rows}
+        table = [redone.pop(r["arch"], r) for r in before] + list(redone.values()) if args.only else rows
+        Path(args.out).write_text(json.dumps(table, indent=1))
     if not args.only:
         (RESULTS / "hf_coverage.md").write_text(
             f"# transformers coverage (`benchmarks/hf_coverage.py`)\n\nH100 target, bf16, micro-batch 1, seq {SEQ} "
