@@ -89,42 +89,39 @@ def test_storage_key_identifies_real_storages_shared_by_views():
     assert ti.storage_key(x[4:]) == ti.storage_key(x) != ti.storage_key(x.clone())
 
 
+class _Spy(ti.TorchDispatchMode):
+    """Lists every op dispatched while it is active (`seen`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_dispatch_mode_sees_ops_below_autograd_and_pytree_flattens_nested_outputs():
-    seen = []
-
-    class Spy(ti.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     x = torch.randn(4, requires_grad=True)
-    with Spy():
+    with _Spy() as spy:
         (x * 2).sum().backward()
-    assert torch.ops.aten.mul.Tensor in seen and torch.ops.aten.expand.default in seen  # sum's backward
+    assert torch.ops.aten.mul.Tensor in spy.seen and torch.ops.aten.expand.default in spy.seen  # sum's backward
     a, b = torch.ones(1), torch.zeros(2)
     assert ti.tree_leaves({"k": [a, (b, 3)]}) == [a, b, 3]
 
 
 def test_a_fake_tensors_device_is_dispatched_as_the_pinned_op_and_a_real_ones_is_not():
-    seen = []
-
-    class Spy(ti.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     real = torch.randn(4, requires_grad=True)
     with new_fake_mode() as mode:
         fake = mode.from_tensor(real)
-        with Spy():
+        with _Spy() as spy:
             (fake * 2).sum().backward()
             assert fake.device == torch.device("cpu")
-    assert seen.count(ti.DEVICE_QUERY) > 1  # autograd's own queries and the one above
-    seen.clear()
-    with Spy():
+    assert spy.seen.count(ti.DEVICE_QUERY) > 1  # autograd's own queries and the one above
+    with _Spy() as spy:
         (real * 2).sum().backward()
         assert real.device == torch.device("cpu")
-    assert seen and ti.DEVICE_QUERY not in seen
+    assert spy.seen and ti.DEVICE_QUERY not in spy.seen
 
 
 def test_grad_scaler_tensors_are_the_scale_and_growth_tracker():

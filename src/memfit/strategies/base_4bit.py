@@ -101,17 +101,16 @@ class Linear4bit(torch.nn.Module):
         absmax += self.absmax_mean.view(torch.float32)
         pairs = torch.tensor(PAIRS, device=self.codes.device)
         out = torch.empty(n, dtype=dtype, device=self.codes.device)
-        tracer, whole = _TRACER.get(), n // CHUNK  # the chunks before `whole` are alike: CHUNK weights each
-        for start in range(0, n, CHUNK):
-            if tracer is not None and 0 < start < whole * CHUNK:
-                continue
-            first = tracer.ops_recorded() if tracer is not None and start == 0 and whole > 1 else None
+        tracer, whole = _TRACER.get(), n // CHUNK  # the first `whole` chunks are alike: CHUNK weights each
+        once = tracer is not None and whole > 1  # traced: the first of them stands for all
+        first = tracer.ops_recorded() if once else None
+        for start in [0, *range(whole * CHUNK, n, CHUNK)] if once else range(0, n, CHUNK):
             end = min(start + CHUNK, 2 * self.codes.numel())  # whole blocks: the last one padded
             values = pairs[self.codes[start // 2:end // 2].int()].view(-1, BLOCK)
             values.mul_(absmax[start // BLOCK:end // BLOCK, None])
             out[start:min(end, n)] = values.view(-1)[:min(end, n) - start]
             del values
-            if first is not None:
+            if once and start == 0:
                 tracer.repeat_ops(first, whole - 1)
         return out.view(self.out_features, self.in_features)
 
