@@ -281,7 +281,9 @@ def _save_after_steps(run_dir, config: Config, steps: int):
 def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp_path, capfd):
     """Two FSDP ranks write their own shards with torch.distributed.checkpoint; rank 0 commits them with a
     checksum per shard file. One process loads them back: the same weights, and the next step's loss equals
-    the ranks' (optimizer state included). A changed shard byte makes the checkpoint skipped, in one line."""
+    the ranks' (optimizer state included). A changed shard byte makes the checkpoint skipped, in one line.
+    Ranks resuming together hash each shard file once between them, and all stop, in the same line, at a
+    changed one."""
     from truth import on_gloo_ranks
 
     from memfit.runtime import checkpoints as ckpt
@@ -306,6 +308,10 @@ def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp
     with pytest.raises(ckpt.CheckpointError, match="does not fit this model"):
         ckpt.restore(state, model=other.model, optimizer=other.optimizer, path=path)
 
+    # ranks resuming together hash each shard file once between them
+    hashed = on_gloo_ranks(2, lambda rank: _check_shards_on_ranks(tmp_path))
+    assert set(hashed[0]).isdisjoint(hashed[1]) and set(hashed[0]) | set(hashed[1]) == set(state["shards"])
+
     victim = max(shards.iterdir(), key=lambda f: f.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -314,6 +320,26 @@ def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp
     assert ckpt.latest_checkpoint(tmp_path) is None
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"shard step-00000002.dcp/{victim.name} no longer matches" in err[0], err
+    # ...and every rank stops with the same line, whichever rank hashed the changed file
+    refused = on_gloo_ranks(2, lambda rank: _check_shards_on_ranks(tmp_path))
+    assert refused[0] == refused[1] and f"{victim.name} no longer matches" in refused[0], refused
+
+
+def _check_shards_on_ranks(run_dir):
+    """On each rank: the newest checkpoint loaded without hashing its shards, then `check_shards_together`;
+    the shard files this rank hashed, or the CheckpointError's message."""
+    from memfit.runtime import checkpoints as ckpt
+
+    path, state = ckpt.load_latest(run_dir, hash_shards=False)
+    hashed, sha256_of = [], ckpt.sha256_of
+    ckpt.sha256_of = lambda f: hashed.append(f.name) or sha256_of(f)
+    try:
+        ckpt.check_shards_together(path, state)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    finally:
+        ckpt.sha256_of = sha256_of
+    return hashed
 
 
 def test_collectives_are_priced_in_nccl_bus_bandwidth_terms():

@@ -27,7 +27,10 @@ nothing is gathered on one rank) into ``.step-00000042.dcp.<random>.tmp/``; the 
 them; rank 0 renames the folder to ``step-00000042.dcp`` and then writes ``step-00000042.pt`` as above, with
 everything else and the size and SHA-256 of every shard file. That ``.pt`` is still the commit. A load
 checks every shard file against it, and `restore` has DCP reshard the states to the layout and world size
-of the run that resumes (4 ranks -> 2 -> 1 process).
+of the run that resumes (4 ranks -> 2 -> 1 process). Ranks resuming together split that check: each loads
+the ``.pt`` checking the shards' sizes only (`load_latest(..., hash_shards=False)`), then, once they have
+joined, hashes its share of the shard files (`check_shards_together`), so the checkpoint is read once, not
+once per rank.
 
 Loading uses ``torch.load(path, map_location="cpu", weights_only=True)``: no pickled code runs. Everything a
 checkpoint holds is therefore tensors, dicts, lists, tuples, ints, floats, strings, bools and None; the RNG
@@ -411,7 +414,7 @@ def _warn(message: str) -> None:
     print(f"memfit: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _load(path: Path, mmap: bool) -> dict:
+def _load(path: Path, mmap: bool, hash_shards: bool = True) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):  # cheap: reads the end-of-archive record that a truncated file lacks
@@ -440,21 +443,44 @@ def _load(path: Path, mmap: bool) -> dict:
     if not sums.is_file():
         raise CheckpointError(f"{path}: its checksum {sums.name} is missing, so its bytes cannot be checked")
     if obj.get("shards"):
-        _check_shards(path, obj["shards"])
+        _check_shards(path, obj["shards"], hashed=obj["shards"] if hash_shards else {})
     return obj
 
 
-def _check_shards(path: Path, shards: Mapping) -> None:
-    """Every shard file the checkpoint recorded is there with its size and bytes (sizes first: cheap)."""
+def _check_shards(path: Path, shards: Mapping, hashed: Mapping) -> None:
+    """Every shard file the checkpoint recorded is there with its size (cheap), and those in `hashed` hold
+    the bytes they were written with."""
     folder = shards_path(path)
     for name, (size, _) in shards.items():
         f = folder / name
         if not f.is_file() or f.stat().st_size != size:
             raise CheckpointError(f"{path}: shard {folder.name}/{name} is missing or not {size} bytes (truncated?)")
-    for name, (_, digest) in shards.items():
+    for name, (_, digest) in hashed.items():
         if sha256_of(folder / name) != digest:
             raise CheckpointError(f"{path}: corrupt: shard {folder.name}/{name} no longer matches the checksum "
                                   f"written with it")
+
+
+def check_shards_together(path: str | os.PathLike, state: Mapping) -> None:
+    """The shard files of `state` (loaded from `path` with ``hash_shards=False``) against their checksums,
+    each rank hashing its share (file i on rank i mod N), as `save_sharded` hashed them. Called by every
+    rank; a mismatch anywhere raises the same `CheckpointError` on every rank. Unlike a single process's
+    load, it does not fall back to an older checkpoint: the ranks were set up from this one."""
+    import torch.distributed as dist
+
+    shards = state.get("shards") or {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {name: sums for i, (name, sums) in enumerate(sorted(shards.items())) if i % world == rank}
+    try:
+        _check_shards(Path(path), shards, hashed=mine)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, error)
+    failed = next((v for v in verdicts if v is not None), None)
+    if failed is not None:
+        raise CheckpointError(f"{failed}; nothing was changed: move it aside to resume from the one before it")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -468,14 +494,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return _load(Path(path), mmap=False)
 
 
-def _newest(run_dir, mmap: bool) -> tuple[Path, dict] | None:
+def _newest(run_dir, mmap: bool, hash_shards: bool = True) -> tuple[Path, dict] | None:
     for _, p in reversed(list_checkpoints(run_dir)):
         try:
-            return p, _load(p, mmap=mmap)
+            return p, _load(p, mmap=mmap, hash_shards=hash_shards)
         except CheckpointError as e:
             if mmap:
                 try:  # mmap may be unsupported where the file lives; a full read also gives a clearer reason
-                    return p, _load(p, mmap=False)
+                    return p, _load(p, mmap=False, hash_shards=hash_shards)
                 except CheckpointError as full:
                     e = full
             _warn(f"skipping checkpoint {e}")
@@ -494,10 +520,12 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[0] if found else None
 
 
-def load_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | None:
+def load_latest(run_dir: str | os.PathLike, hash_shards: bool = True) -> tuple[Path, dict] | None:
     """(path, `load_checkpoint(path)`) of the newest intact checkpoint, each candidate read once; None if
-    there is none. Skips are reported as by `latest_checkpoint`."""
-    return _newest(run_dir, mmap=False)
+    there is none. Skips are reported as by `latest_checkpoint`. Without `hash_shards`, a sharded
+    checkpoint's shard files are checked for their sizes only: for ranks that will resume together and
+    hash them between them (`check_shards_together`)."""
+    return _newest(run_dir, mmap=False, hash_shards=hash_shards)
 
 
 # ---------------------------------------------------------------------------------------- restoring
@@ -672,6 +700,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
 
 
-__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_latest", "restore",
-           "load_model_state", "export_safetensors", "list_checkpoints", "checkpoint_path", "checksum_path",
-           "normalize_key"]
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_latest",
+           "check_shards_together", "restore", "load_model_state", "export_safetensors", "list_checkpoints",
+           "checkpoint_path", "checksum_path", "normalize_key"]

@@ -599,7 +599,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     # ranks started again after an OOM (runtime/distributed.py) before any checkpoint begin at the first step
     recovery = distributed.recovery_request(out) if resume and gpus > 1 else None
     if resume and (recovery is None or ckpt.list_checkpoints(out)):
-        found = ckpt.load_latest(out)
+        found = ckpt.load_latest(out, hash_shards=gpus == 1)  # ranks hash the shards between them once joined
         if found is None:
             what = "complete" if not ckpt.list_checkpoints(out) else "intact"
             raise RunError(f"--resume: no {what} checkpoint under {out}")
@@ -750,6 +750,8 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
         start = predict(workload, config, dev)
     rank = distributed.join(gpus, device)
     try:
+        if state is not None:
+            ckpt.check_shards_together(path, state)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if recovery is None:  # left by an earlier run in this folder that never resumed
