@@ -365,8 +365,8 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     step.on_phase = on_phase
     step.move = lambda b, d: _tag(tracker, move(b, d))
     scope = ModuleScope(step.model, tracker, recorder)
-    try:  # the recorder on top: it sees each op as the step issues it, before the counter does
-        with seeing_saved(pack), tracker, recorder, \
+    try:
+        with seeing_saved(pack), tracker.recording(recorder), \
                 chunks_traced_once(recorder) if mode is not None else contextlib.nullcontext():
             step(batch)
     except Exception as e:

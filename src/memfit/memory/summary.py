@@ -67,7 +67,7 @@ def _summarize(workload: Workload, config: Config) -> list[ModuleRow]:
 
         scope = ModuleScope(model, tracker, recorder)
         try:
-            with seeing_saved(pack), tracker, recorder:
+            with seeing_saved(pack), tracker.recording(recorder):
                 with autocast_context(config, step.device):
                     loss = workload.loss(model, workload.batch(config.micro_batch))
                 loss.float().backward()
