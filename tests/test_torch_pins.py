@@ -24,7 +24,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
-    pinned |= {"DEVICE_QUERY"}  # passed on unrecorded by every mode
+    pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
     assert set(ti.__all__) == pinned
 
 
@@ -122,6 +122,17 @@ def test_a_fake_tensors_device_is_dispatched_as_the_pinned_op_and_a_real_ones_is
         (real * 2).sum().backward()
         assert real.device == torch.device("cpu")
     assert spy.seen and ti.DEVICE_QUERY not in spy.seen
+
+
+def test_a_device_query_is_answered_as_the_fake_mode_answers_it():
+    with new_fake_mode() as mode:
+        on_cpu, on_gpu = mode.from_tensor(torch.ones(2)), torch.ones(2, device="cuda")
+        for fake in (on_cpu, on_gpu):
+            with _Spy() as spy:
+                assert ti.answer_device_query((fake,), {}) == ti.DEVICE_QUERY(fake) == fake.device
+            assert spy.seen == [ti.DEVICE_QUERY]  # only the op itself: the answer dispatched nothing
+    assert on_gpu.device == torch.device("cuda", 0)
+    assert ti.answer_device_query((torch.ones(1),), {}) == torch.device("cpu")
 
 
 def test_grad_scaler_tensors_are_the_scale_and_growth_tracker():

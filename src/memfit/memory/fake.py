@@ -10,9 +10,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
-from memfit.torch_internals import (FAKE_TENSOR_LOGGER, DataDependentOutputException, FakeTensor, FakeTensorMode,
-                                    TorchDispatchMode, fake_constant, fake_constants_up_to, make_op_outputs_swappable,
-                                    trunc_normal_skipped, unset_fake_temporarily)
+from memfit.torch_internals import (DEVICE_QUERY, FAKE_TENSOR_LOGGER, DataDependentOutputException, FakeTensor,
+                                    FakeTensorMode, TorchDispatchMode, answer_device_query, fake_constant,
+                                    fake_constants_up_to, make_op_outputs_swappable, trunc_normal_skipped,
+                                    unset_fake_temporarily)
 
 __all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "OptimizerScalars", "FakeBuild", "LayerDropDraws",
            "new_fake_mode", "is_fake", "quiet_fake_errors", "op_flops", "trace_optimizer"]
@@ -167,6 +168,8 @@ class OptimizerScalars(TorchDispatchMode):
         self.answered = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_QUERY:
+            return answer_device_query(args, kwargs or {})
         try:
             return func(*args, **(kwargs or {}))
         except DataDependentOutputException:

@@ -68,8 +68,8 @@ from torch.overrides import TorchFunctionMode
 
 from memfit.errors import EstimateError
 from memfit.memory.fake import is_fake
-from memfit.torch_internals import DATA_DEPENDENT_ERRORS, DEVICE_QUERY, TorchDispatchMode, storage_key, tree_leaves, \
-    unset_fake_temporarily
+from memfit.torch_internals import DATA_DEPENDENT_ERRORS, DEVICE_QUERY, TorchDispatchMode, answer_device_query, \
+    storage_key, tree_leaves, unset_fake_temporarily
 
 __all__ = ["ASSUMPTIONS", "BOUND_ROUTINGS", "FLOAT_FACTORY_LIMIT_BYTES", "MAX_CHOICES", "SHADOW_LIMIT_BYTES", "Routing",
            "add_routing", "assumed_choices"]
@@ -153,7 +153,7 @@ class Routing(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is DEVICE_QUERY:
-            return func(*args, **kwargs)
+            return answer_device_query(args, kwargs)
         if func is aten._grouped_mm.default:
             return _grouped_mm(*args, **kwargs)
         shadow_args = self._shadow_args(args, kwargs)

@@ -31,8 +31,8 @@ import torch
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import DEVICE_QUERY, TorchDispatchMode, detach_sharing_version, held_by, storage_key, \
-    tree_leaves
+from memfit.torch_internals import DEVICE_QUERY, TorchDispatchMode, answer_device_query, detach_sharing_version, \
+    held_by, storage_key, tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -342,7 +342,9 @@ class LiveBytes(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _Scoped.quiet or func is DEVICE_QUERY:
+        if func is DEVICE_QUERY:
+            return answer_device_query(args, kwargs)
+        if _Scoped.quiet:
             return func(*args, **kwargs)
         try:
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
@@ -393,7 +395,9 @@ class OpRecorder(_Scoped):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _Scoped.quiet or func is DEVICE_QUERY:
+        if func is DEVICE_QUERY:
+            return answer_device_query(args, kwargs)
+        if _Scoped.quiet:
             return func(*args, **kwargs)
         out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))
         self.saw(func, args, kwargs, out)

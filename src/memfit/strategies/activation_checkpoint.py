@@ -24,8 +24,8 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext,
 
 from memfit.config import ConfigError
 from memfit.strategies.offload import host_side
-from memfit.torch_internals import (DEVICE_QUERY, FakeTensor, TorchDispatchMode, detach_sharing_version, storage_key,
-                                    tensor_version, tree_leaves)
+from memfit.torch_internals import (DEVICE_QUERY, FakeTensor, TorchDispatchMode, answer_device_query,
+                                    detach_sharing_version, storage_key, tensor_version, tree_leaves)
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -139,7 +139,7 @@ class _Keep(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is DEVICE_QUERY:
-            return func(*args, **kwargs)
+            return answer_device_query(args, kwargs)
         call = self.names.call(func, args, kwargs)
         out = func(*args, **kwargs)
         self.names.name_outputs(out, call)
@@ -166,7 +166,7 @@ class _Reuse(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is DEVICE_QUERY:
-            return func(*args, **kwargs)
+            return answer_device_query(args, kwargs)
         call = self.names.call(func, args, kwargs)
         queue = self.kept.get(call)
         out = None
