@@ -279,3 +279,37 @@ def test_a_model_that_casts_its_parameters_after_building_them_from_ones_traces_
                          loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]),
                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="ones")
     assert memfit.estimate(wl, Config(micro_batch=4)).method == "fake"
+
+
+class _KeepsATable(nn.Module):
+    def __init__(self, table: bool):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.table = torch.zeros(1000) if table else None  # a plain attribute: no parameter, no buffer
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _keeps_a_table(table: bool) -> memfit.Workload:
+    return memfit.Workload(model=lambda: _KeepsATable(table), batch=lambda n: {"x": torch.randn(n, 16)},
+                           loss=lambda model, b: model(b["x"]).square().mean(),
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="keeps-a-table")
+
+
+def test_a_tensor_kept_in_a_plain_attribute_is_counted_and_the_collector_is_left_as_it_was():
+    """The trace finds every fake tensor of its own mode alive before the step (a table a model keeps
+    outside its parameters and buffers), while the heap it started from is set aside (gc.freeze) and then
+    given back; objects a process froze itself stay frozen."""
+    import gc
+
+    without = memfit.estimate(_keeps_a_table(False), Config(micro_batch=2), isolate=False)
+    with_table = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
+    assert with_table.peak_bytes - without.peak_bytes == 4000 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        again = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
+        assert again.peak_bytes == with_table.peak_bytes and gc.get_freeze_count() > frozen // 2  # not unfrozen
+    finally:
+        gc.unfreeze()
