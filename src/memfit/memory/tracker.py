@@ -7,7 +7,7 @@
   phase) and FLOPs per module.
 
 When both run, `LiveBytes.recording(recorder)` does what stacking them does (`with counter, recorder:`) in
-one mode: each of the modes stacked costs every op a round trip through the dispatcher (~6% of a fake trace).
+one mode: each of the modes stacked costs every op a round trip through the dispatcher (~5% of a fake trace).
 
 A `TorchDispatchMode` sees every tensor an aten op creates (below autograd, so the backward pass and the
 optimizer are seen too). Bytes are counted per storage, so views and in-place results cost nothing, and a
