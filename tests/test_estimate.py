@@ -1,5 +1,6 @@
 """The estimator against numbers computed by hand and against the PyTorch profiler (an independent
 measurement of the same real CPU step, benchmarks/truth.py)."""
+import gc
 import itertools
 import os
 
@@ -301,8 +302,6 @@ def test_a_tensor_kept_in_a_plain_attribute_is_counted_and_the_collector_is_left
     """The trace finds every fake tensor of its own mode alive before the step (a table a model keeps
     outside its parameters and buffers), while the heap it started from is set aside (gc.freeze) and then
     given back; objects a process froze itself stay frozen."""
-    import gc
-
     without = memfit.estimate(_keeps_a_table(False), Config(micro_batch=2), isolate=False)
     with_table = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
     assert with_table.peak_bytes - without.peak_bytes == 4000 and gc.get_freeze_count() == 0
