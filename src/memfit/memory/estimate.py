@@ -415,8 +415,8 @@ def _heap_set_aside(active: bool):
     """While `active`, every object alive on entry (the process's heap: imports, a test session, a forked
     child's parent's objects) sits in the collector's permanent generation, where `gc.get_objects()` does not
     look, so `_preexisting` walks the trace's own objects only (walking a test session's whole heap was ~15%
-    of the planner's tests). The trace makes its fake tensors after entering. A process that froze objects itself (a server
-    before it forks workers) keeps them frozen, and only those are set aside."""
+    of the planner's tests). The trace makes its fake tensors after entering. A process that froze objects
+    itself (a server before it forks workers) keeps them frozen, and only those are set aside."""
     if not active or gc.get_freeze_count():
         yield
         return
