@@ -406,11 +406,15 @@ class OpRecorder(_Scoped):
     def saw(self, func, args, kwargs, out) -> None:
         """Record one op that ran (`out`: its outputs)."""
         flops = op_flops(func, args, kwargs, out)
+        self._count(flops)
+        self._record(func, args, kwargs, out, flops)
+
+    def _count(self, flops: int) -> None:
+        """FLOPs of the running module; in backward inside a module, recomputation's."""
         if flops:
             self.flops_by_module[self.module] = self.flops_by_module.get(self.module, 0) + flops
             if self.phase == Phase.BACKWARD and self.module_stack:
                 self.recompute_flops += flops
-        self._record(func, args, kwargs, out, flops)
 
     def _record(self, func, args, kwargs, out, flops: int) -> None:
         known = _OP_FACTS.get(func)
@@ -456,13 +460,9 @@ class OpRecorder(_Scoped):
         """Record the ops recorded from position `since` on `times` more times, as if they had run again (a
         4-bit weight's identical chunks, traced once: strategies/base_4bit.py)."""
         tr = self.trace
-        flops = sum(tr.flops[since:]) * times
+        self._count(sum(tr.flops[since:]) * times)
         for column in (tr.flops, tr.bytes, tr.alloc, tr.kind, tr.phase, tr.name):
             column.extend(column[since:] * times)
-        if flops:
-            self.flops_by_module[self.module] = self.flops_by_module.get(self.module, 0) + flops
-            if self.phase == Phase.BACKWARD and self.module_stack:
-                self.recompute_flops += flops
 
 
 def _op_facts(func) -> tuple[str, str]:
