@@ -29,8 +29,13 @@ def sum_tolerance(dtype: torch.dtype, terms: int, magnitude: float) -> float:
     return terms * torch.finfo(dtype).eps * magnitude
 
 
+def gradient_terms(tokens: int, layers: int, seq: int, width: int, ffn: int, vocab: int) -> int:
+    """Additions behind one gradient entry of a decoder-only transformer over `tokens` tokens: the sum over
+    tokens that every weight gradient is, plus, per block, the reductions over the sequence (attention),
+    the width (projections, norms) and ffn (the MLP), and the softmax over the vocabulary."""
+    return tokens + layers * (seq + width + ffn) + vocab
+
+
 def gpt_gradient_terms(cfg, tokens: int) -> int:
-    """Additions behind one gradient entry of a memfit GPT (`memfit.workloads.gpt.GPT.cfg`) over `tokens`
-    tokens: the sum over tokens that every weight gradient is, plus, per block, the reductions over the
-    sequence (attention), d_model (projections, RMSNorm) and ffn (the MLP), and the softmax over the vocabulary."""
-    return tokens + cfg.layers * (cfg.seq + cfg.d_model + cfg.ffn) + cfg.vocab
+    """`gradient_terms` of a memfit GPT (`memfit.workloads.gpt.GPT.cfg`)."""
+    return gradient_terms(tokens, cfg.layers, cfg.seq, cfg.d_model, cfg.ffn, cfg.vocab)
