@@ -326,9 +326,10 @@ def cmd_train(args) -> int:
         if args.out is None:  # every rank must write into the same run folder
             args.out = str(default_run_dir(workload))
             args.argv += ["--out", args.out]
-        code = distributed.run_ranks(args.gpus, args.argv, Path(args.out), say=lambda m: print(m, file=sys.stderr))
-        if code:
-            raise RunError(f"{args.gpus} ranks ran; one or more exited with status {code} (its error is above)")
+        failure = distributed.run_ranks(args.gpus, args.argv, Path(args.out), say=lambda m: print(m, file=sys.stderr),
+                                        debug=args.debug)
+        if failure:
+            raise RunError(failure)
         return 0
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
@@ -570,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the uninterrupted run would (same machine and PyTorch); with --resume, as the run started")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the final report still prints)")
     p.add_argument("--gpus", type=int, default=1,
-                   help="ranks to train on: started here with torchrun (N CPU processes with gloo on a CPU), or the "
+                   help="ranks to train on: started here under torch's elastic agent, torchrun's launcher (N CPU processes with gloo on a CPU), or the "
                         "world of an outside launcher (default: %(default)s)")
     p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "hsdp")],
                    help="layout across ranks (default: fsdp)")

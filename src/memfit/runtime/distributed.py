@@ -1,8 +1,8 @@
 """Training on many ranks: launching them, joining their process group, and the state they share.
 
-`memfit train --gpus N` on one machine starts N copies of itself with torchrun (`launch`); under any launcher
-that sets RANK / WORLD_SIZE / MASTER_ADDR (torchrun, Slurm's srun with those exported) each copy joins that
-world (`join`): gloo on CPUs, NCCL on GPUs. Each rank trains its share of every global batch (runtime/
+`memfit train --gpus N` on one machine starts N copies of itself under torch's elastic agent, the launcher
+inside torchrun, run in this process (`launch`); under any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR
+(torchrun, Slurm's srun with those exported) each copy joins that world (`join`): gloo on CPUs, NCCL on GPUs. Each rank trains its share of every global batch (runtime/
 trainer.py) under the layout's FSDP2 sharding (strategies/data_parallel.py).
 
 Checkpoints are PyTorch's own distributed checkpoint engine (`torch.distributed.checkpoint`): every rank
@@ -13,7 +13,7 @@ full weights, on rank 0.
 
 Out of memory on any rank: the other ranks are waiting in a collective that rank will never join, so no
 agreement inside the step is possible. The rank that ran out writes the next configuration of the recovery
-ladder to the run folder (`RECOVERY`) and exits; torchrun ends the others; `run_ranks` starts all of them
+ladder to the run folder (`RECOVERY`) and exits; the agent ends the others; `run_ranks` starts all of them
 again with `--resume`, and every rank continues from the newest checkpoint (or the first step) in that
 configuration -- the same math, the steps since the checkpoint redone. Under an outside launcher the same
 command with `--resume` does it.
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
-import subprocess
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -47,29 +48,64 @@ RECOVERY = "recovery.json"  # in the run folder: the configuration every rank co
 MAX_RESTARTS = 16  # the recovery ladder is shorter than this for any micro-batch below 2**14
 
 
-def launch(gpus: int, argv: list[str], launch_id: str | None = None) -> int:
-    """Run `memfit <argv>` as `gpus` ranks on this machine with torchrun; its exit status."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "--no-python", sys.executable, "-m", "memfit.cli", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads())}
-    if launch_id:
-        env["MEMFIT_LAUNCH"] = launch_id
-    return subprocess.call(cmd, env=env)
+def launch(gpus: int, argv: list[str], launch_id: str | None = None, debug: bool = False) -> str | None:
+    """Run `memfit <argv>` as `gpus` ranks on this machine under torch's elastic agent, the one torchrun runs,
+    here in this process: None when every rank exited 0, else what happened to the rank that failed first,
+    in words. Each rank prints its own error; the agent's log lines and its traceback are shown only with
+    `debug`."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=gpus, run_id=launch_id or uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    env = dict(OMP_NUM_THREADS=str(rank_threads()), **({"MEMFIT_LAUNCH": launch_id} if launch_id else {}))
+    # the agent's modules each set their own logger's level: quieted one by one
+    agent_logs = [log for name, log in logging.root.manager.loggerDict.items()
+                  if name.startswith("torch.distributed.elastic") and isinstance(log, logging.Logger)]
+    levels = [log.level for log in agent_logs]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    saved = {name: os.environ.get(name) for name in [*env, "TORCHELASTIC_SIGNALS_TO_HANDLE"]}
+    os.environ.update(env)  # the agent gives its ranks this process's environment
+    for log in agent_logs if not debug else ():
+        log.setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)("-m", "memfit.cli", *argv)
+        return None
+    except ChildFailedError as e:
+        if debug:
+            raise
+        rank, failure = e.get_first_failure()
+        how = (f"was stopped by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with status {failure.exitcode} (its error is above)")
+        return f"rank {rank} of {gpus} {how}; the agent stopped the other ranks"
+    except SignalException as e:  # Ctrl-C or a kill reached the agent: it has stopped the ranks
+        raise KeyboardInterrupt(f"interrupted ({e.sigval.name}): the {gpus} ranks were stopped") from e
+    finally:
+        for log, level in zip(agent_logs, levels):
+            log.setLevel(level)
+        for sig, handler in handlers.items():  # the agent installs its own; this process keeps the ones it had
+            signal.signal(sig, handler)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def run_ranks(gpus: int, argv: list[str], out: Path, say=print) -> int:
+def run_ranks(gpus: int, argv: list[str], out: Path, say=print, debug: bool = False) -> str | None:
     """`launch`, started again with `--resume` each time a rank ran out of memory and asked for the next
-    configuration (`request_recovery`); the exit status of the last launch."""
+    configuration (`request_recovery`); what went wrong in the last launch, or None."""
     for _ in range(MAX_RESTARTS + 1):
         launch_id = uuid.uuid4().hex
-        code = launch(gpus, argv, launch_id)
+        failure = launch(gpus, argv, launch_id, debug)
         request = recovery_request(out)
-        if code == 0 or request is None or request.get("launch") != launch_id:
-            return code
+        if failure is None or request is None or request.get("launch") != launch_id:
+            return failure
         say(f"memfit: {request['event']}: starting the {gpus} ranks again")
         if "--resume" not in argv:
             argv = [*argv, "--resume"]
-    return code
+    return failure
 
 
 def request_recovery(out: Path, step: int, config: dict, event: str) -> None:

@@ -570,7 +570,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         deterministic: kernels and thread count fixed (see `deterministic_mode`) so that a run resumed after
             an interruption ends bit for bit where the uninterrupted run ends, on the same machine and
             PyTorch build. None: as the run being resumed was started (off for a new run).
-        gpus: ranks to train on; more than one needs a launcher (`memfit train --gpus N` starts torchrun),
+        gpus: ranks to train on; more than one needs a launcher (`memfit train --gpus N` starts the ranks),
             and this process is one of them (runtime/distributed.py). Not planned yet: the micro-batch
             defaults to the rank's share of the global batch.
         data_parallel: the layout across ranks (`Config.data_parallel`); default fsdp.
@@ -643,7 +643,7 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str
         return layout
     if not distributed.launched():
         raise RunError(f"training on {gpus} GPUs needs one process per rank: run `memfit train --gpus {gpus}` "
-                       "(it starts them with torchrun) or start this under torchrun")
+                       "(it starts them itself) or start this under torchrun")
     if global_batch % (gpus * (micro_batch or 1)):
         raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks x micro-batch "
                           f"{micro_batch or 1}")
