@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,21 @@ def test_tracing_children_share_one_measuring_helper_that_ends_with_their_parent
     while os.path.exists(first[2]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not os.path.exists(first[2])
+
+
+def test_the_helper_counts_an_ended_but_unreaped_parent_as_ended():
+    """A process that has exited but whose own parent has not yet waited for it (a zombie: under a profiler
+    or a launcher that reaps late) still answers kill(pid, 0); a helper that took that for life outlived it
+    (found when py-spy kept the suite's helpers waiting on their zombie parent)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert not kernels._alive(pid)
+    finally:
+        os.waitpid(pid, 0)
+    assert kernels._alive(os.getpid()) and not kernels._alive(pid)

@@ -516,9 +516,12 @@ def serve(threads: int, path: str, root: int) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return True
     except (ProcessLookupError, PermissionError):  # gone, or the id now belongs to another user's process
         return False
+    try:  # an ended process that its parent has not reaped (a zombie) still answers kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc: kill's answer
+        return True
 
 
 def _answer(request: dict) -> dict:
