@@ -39,7 +39,7 @@ from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
 __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchError", "MicroBatchLine", "Phase",
-           "Probe", "estimate", "first_line", "probe", "probe_pair", "state_bytes"]
+           "Probe", "estimate", "first_line", "probe", "probe_pair", "state_bytes", "state_split"]
 
 # The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
 # give batch statistics more than one value per channel).
@@ -202,6 +202,12 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
     CUDA context and cuBLAS workspace on a GPU), from an optimizer primed on fake tensors without a
     forward or backward pass: a floor that no micro-batch or checkpointing goes under, in seconds even for
     a 7B model. The planner skips families whose floor is already over the budget."""
+    return state_split(workload, config, device)[0]
+
+
+def state_split(workload: Workload, config: Config, device: str | Device = "cpu") -> tuple[int, int]:
+    """(`state_bytes`, what optimizer offload keeps on the host between steps: fp32 master weights,
+    gradient copies, optimizer state). The planner skips families whose host part is over --host-memory."""
     dev = device if isinstance(device, Device) else get_device(device)
     world = fake_process_group(config.gpus) if config.gpus > 1 else contextlib.nullcontext()
     with world, new_fake_mode() as mode, quiet_fake_errors():
@@ -209,9 +215,10 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
             step = TrainStep(workload, config, "cpu")
         trace_optimizer(step.optimizer)
         step.prime()
-        host = {storage_key(t) for t in step.host_tensors()}
+        host = {storage_key(t): t.untyped_storage().nbytes() for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
-    return sum(n for address, n in storages.items() if address not in host) + outside_tensors(dev, config)
+    return (sum(n for address, n in storages.items() if address not in host) + outside_tensors(dev, config),
+            sum(host.values()))
 
 
 def outside_tensors(dev: Device, config: Config) -> int:

@@ -119,8 +119,13 @@ def source_line() -> str:
 
 def short_path(filename: str) -> str:
     """Relative to the working directory when under it, else from its package folder on."""
-    path = os.path.abspath(filename)
-    cwd = os.path.join(os.getcwd(), "")
+    return _short_path(filename, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every allocation a traced step makes, of a few hundred files
+def _short_path(filename: str, cwd: str) -> str:
+    path = os.path.abspath(os.path.join(cwd, filename))
+    cwd = os.path.join(cwd, "")
     if path.startswith(cwd):
         return path[len(cwd):]
     parts = path.split(os.sep)

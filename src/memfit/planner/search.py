@@ -24,7 +24,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, LossChunkError, MicroBatchError, PlanError, WorkloadError
 from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line,
-                                    outside_tensors, probe, probe_pair, state_bytes)
+                                    outside_tensors, probe, probe_pair, state_split)
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
@@ -274,9 +274,10 @@ def shallow(workload: Workload, keep: int) -> Workload:
     return dataclasses.replace(workload, model=model)
 
 
-def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list[int]]:
-    """The model's stack depth (None: not probed shallow) and each state's floor (see plan): for a deep
-    model from two shallow copies, the line through them at the full depth (states add up per block)."""
+def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list[tuple]]:
+    """The model's stack depth (None: not probed shallow) and each state's floors on the device and the host
+    (see plan): for a deep model from two shallow copies, the line through them at the full depth (states
+    add up per block)."""
     try:
         with new_fake_mode() as mode, FakeBuild(mode):
             depth = stack_depth(workload.model())
@@ -286,7 +287,7 @@ def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> 
         return None, _state_floors(workload, states, dev)
     a, b = DEPTHS
     short, tall = _state_floors(shallow(workload, a), states, dev), _state_floors(shallow(workload, b), states, dev)
-    return depth, [round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(short, tall)]
+    return depth, [tuple(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s, t)) for s, t in zip(short, tall)]
 
 
 def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
@@ -464,7 +465,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
     states = list({_state_key(b): b for b in bases}.values())
     [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1)
-    depth, floors = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
+    depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
+    floors = {key: on_device for key, (on_device, _) in split.items()}
+    host_floors = {key: on_host for key, (_, on_host) in split.items()}
     if depth:
         notes.append(f"{workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and {DEPTHS[1]} "
                      "blocks, extended to the full depth; every plan offered is confirmed on the whole model")
@@ -483,6 +486,13 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             smallest_need[_family_name(b)] = floor
             verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
                                               f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
+            continue
+        host_floor = host_floors.get(_state_key(b), 0)
+        if host_bytes is not None and not cpu and host_floor > host_bytes:
+            bases.remove(b)
+            verdicts.append((_family_name(b), f"does not fit the host: offloading keeps {fmt_bytes(host_floor)} of "
+                                              f"weights, gradients and optimizer state there, over --host-memory by "
+                                              f"{fmt_bytes(host_floor - host_bytes)} (not traced)"))
     reused = {}
     for b in bases if traced is not None and _state_key(b) in floors else []:
         hit = traced.get(_count_free(b))
@@ -607,7 +617,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
         raise raised[0]
     if not confirmed:
-        over_host = [v for _, v in verdicts if "of host" in v]
+        over_host = [v for _, v in verdicts if "of host" in v or v.startswith("does not fit the host")]
         if not smallest_need and over_host:
             hint = f"every family that fits the GPU needs more host memory than --host-memory ({over_host[0]})"
         elif not smallest_need:
@@ -769,8 +779,8 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
     return out
 
 
-def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[int]:
-    return [state_bytes(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
+def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple[int, int]]:
+    return [state_split(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
             for s in states]
 
 
