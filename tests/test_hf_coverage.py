@@ -205,7 +205,8 @@ def test_transformers_own_gradient_checkpointing_matches_the_profiler():
 def test_a_gpu_estimate_says_it_traced_the_reference_path_of_fused_kernel_packages():
     """transformers' Mamba runs mamba_ssm's and causal_conv1d's fused kernels on a GPU where they are
     installed and its reference PyTorch scan elsewhere: a GPU estimate traces the reference path and says
-    so; a CPU estimate (which runs that path) and a model without such kernels say nothing."""
+    so, as for RWKV's WKV kernel, which it loads from the hub by name; a CPU estimate (which runs that path)
+    and a model without such kernels say nothing."""
     mamba = hf.from_config(transformers.AutoConfig.for_model(
         "mamba", hidden_size=32, num_hidden_layers=1, state_size=4, vocab_size=100, expand=2), seq=8)
     cfg = Config(micro_batch=1, precision="bf16")
@@ -214,3 +215,9 @@ def test_a_gpu_estimate_says_it_traced_the_reference_path_of_fused_kernel_packag
     assert not [n for n in memfit.estimate(mamba, Config(micro_batch=1)).notes if "reference PyTorch path" in n]
     assert not [n for n in memfit.estimate(tiny("llama", seq=16), cfg, device="h100").notes
                 if "reference PyTorch path" in n]
+    # RWKV loads its WKV kernel from the hub by name on a GPU (with the `kernels` package): said too
+    rwkv = hf.from_config(transformers.AutoConfig.for_model(
+        "rwkv", hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        vocab_size=100, context_length=16), seq=8)
+    [note] = [n for n in memfit.estimate(rwkv, cfg, device="h100").notes if "reference PyTorch path" in n]
+    assert "kernels-community/rwkv (hub kernel)" in note

@@ -110,25 +110,32 @@ def fused_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 
 # transformers declares, beside a model's reference PyTorch code, the fused kernel package that replaces it on a
-# GPU where that package is installed (mamba_ssm's selective scan, causal_conv1d, fla's linear attention)
+# GPU where that package is installed (mamba_ssm's selective scan, causal_conv1d, fla's linear attention), or
+# loads a hub kernel by name on a GPU where the `kernels` package is installed (RWKV's WKV, YOSO's, MRA's)
 _FALLBACK = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(\w+)"\s*,\s*"(\w+)"')
+_HUB_KERNEL = re.compile(r'get_kernel\(\s*"([\w.-]+/[\w.-]+)"')
 
 
 def fused_elsewhere(model: torch.nn.Module) -> list[str]:
     """"package (function, ...)" for each fused GPU kernel package that the code of `model`'s modules
-    declares as replacing its reference PyTorch path. A trace runs that reference path (as a GPU without the
-    package does); the fused kernels keep other tensors, which memfit does not model."""
+    declares as replacing its reference PyTorch path, and "org/name (hub kernel)" for each kernel it loads
+    from the hub by name. A trace runs that reference path (as a GPU without the package does); the fused
+    kernels keep other tensors, which memfit does not model."""
     found: dict[str, list[str]] = {}
     for name in sorted({type(m).__module__ for m in model.modules()}):
-        for func, package in _declared_fallbacks(name):
+        fallbacks, hub = _declared_kernels(name)
+        for func, package in fallbacks:
             found.setdefault(package, []).append(func)
+        for kernel in hub:
+            found.setdefault(kernel, ["hub kernel"])
     return [f"{package} ({', '.join(funcs)})" for package, funcs in sorted(found.items())]
 
 
 @functools.cache
-def _declared_fallbacks(module_name: str) -> tuple:
+def _declared_kernels(module_name: str) -> tuple[tuple, tuple]:
     module = sys.modules.get(module_name)
     try:
-        return tuple(_FALLBACK.findall(inspect.getsource(module))) if module is not None else ()
+        source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):  # no source (built-in, compiled): nothing declared that we can read
-        return ()
+        source = ""
+    return tuple(_FALLBACK.findall(source)), tuple(_HUB_KERNEL.findall(source))
