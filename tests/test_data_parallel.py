@@ -1,4 +1,5 @@
 """Many GPUs, estimated per rank in one process: FSDP2 `fully_shard` on a fake world (issue 12, first part)."""
+import contextlib
 import json
 import math
 
@@ -267,9 +268,14 @@ def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
     assert resumed == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
 
 
-def _save_after_steps(run_dir, config: Config, steps: int):
+def _save_after_steps(run_dir, config: Config, steps: int, folder_made_first: bool = False):
     """Train `steps` steps and checkpoint them (sharded, on every rank); the next step's loss and the full
-    weights after the checkpoint."""
+    weights after the checkpoint. `folder_made_first`: the checkpoint's temporary folder exists before rank 0
+    gets to it, as when another rank's DCP writer, which makes it on every rank, ran first (rank 0 then
+    failed with "File exists" once, in a loaded full-suite run)."""
+    import uuid
+    from unittest import mock
+
     from torch.distributed.tensor import DTensor
 
     from memfit.runtime import checkpoints as ckpt
@@ -278,15 +284,21 @@ def _save_after_steps(run_dir, config: Config, steps: int):
     trainer = Trainer(builtin("gpt-tiny"), config, seed=0, global_batch=16)
     for _ in range(steps):
         trainer.step()
-    path = ckpt.save_sharded(run_dir, steps, model=trainer.model, optimizer=trainer.optimizer, config=config)
+    with mock.patch.object(ckpt.uuid, "uuid4", return_value=uuid.UUID(int=7)) if folder_made_first \
+            else contextlib.nullcontext():
+        if folder_made_first:
+            name = ckpt.shards_path(ckpt.checkpoint_path(run_dir, steps)).name
+            (ckpt.checkpoint_dir(run_dir) / f".{name}.{uuid.UUID(int=7).hex[:12]}.tmp").mkdir(parents=True,
+                                                                                               exist_ok=True)
+        path = ckpt.save_sharded(run_dir, steps, model=trainer.model, optimizer=trainer.optimizer, config=config)
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
                for n, p in trainer.model.named_parameters()}
     return str(path), trainer.step(), weights
 
 
 def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp_path, capfd):
-    """Two FSDP ranks write their own shards with torch.distributed.checkpoint; rank 0 commits them with a
-    checksum per shard file. One process loads them back: the same weights, and the next step's loss equals
+    """Two FSDP ranks write their own shards with torch.distributed.checkpoint (into a folder another rank's
+    writer may have made first); rank 0 commits them with a checksum per shard file. One process loads them back: the same weights, and the next step's loss equals
     the ranks' (optimizer state included). A changed shard byte makes the checkpoint skipped, in one line.
     Ranks resuming together hash each shard file once between them, and all stop, in the same line, at a
     changed one."""
@@ -296,7 +308,7 @@ def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp
     from memfit.runtime.trainer import Trainer
 
     cfg = Config(micro_batch=4, grad_accum=2, gpus=2, data_parallel="fsdp")
-    results = on_gloo_ranks(2, lambda rank: _save_after_steps(tmp_path, cfg, 2))
+    results = on_gloo_ranks(2, lambda rank: _save_after_steps(tmp_path, cfg, 2, folder_made_first=True))
     (path, next_loss, weights), (other_path, other_loss, _) = results
     assert path == other_path and next_loss == other_loss
     shards = ckpt.shards_path(path)

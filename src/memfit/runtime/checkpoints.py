@@ -331,10 +331,10 @@ def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Modul
     box = [f".{shards_path(final).name}.{uuid.uuid4().hex[:12]}.tmp"]
     dist.broadcast_object_list(box, src=0)  # one folder for all ranks
     tmp = checkpoint_dir(run_dir) / box[0]
-    if dist.get_rank() == 0:
-        tmp.mkdir(parents=True)
     error = None
     try:
+        # every rank, as DCP's writer does on each: a rank 0 that insisted on making it raced the others' writers
+        tmp.mkdir(parents=True, exist_ok=True)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
         files = sorted(f.name for f in tmp.iterdir())  # complete on every rank: save() ends in a collective
