@@ -542,11 +542,17 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                                f"micro-batch {per_rank}, over by {fmt_bytes(forward - usable)} (not traced)"))
     for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth)):
         take(base, kind, value)
-    if failed and not families:  # every family failed: that is the answer
+    if failed and not families:  # every family failed: that is the answer, unless fp32 was left out
         base, error = failed[0]
-        if isinstance(error, (WorkloadError, EstimateError)):
-            raise error
-        raise WorkloadError(f"tracing {_family_name(base)} at micro-batch 1 raised: {first_line(error)}") from error
+        answer = error if isinstance(error, (WorkloadError, EstimateError)) else WorkloadError(
+            f"tracing {_family_name(base)} at micro-batch 1 raised: {first_line(error)}")
+        if precision is None and "fp32" not in precisions:  # a model that cannot run in low precision (an FFT)
+            return _in_fp32(workload, global_batch, f"{_family_name(base)}: {first_line(error)}", answer, dict(
+                budget=budget, device=dev, micro_batch=micro_batch, activation_checkpoint=activation_checkpoint,
+                offload_activations=offload_activations, offload_optimizer=offload_optimizer, profile=profile,
+                confirm=confirm, gpus=gpus, data_parallel=data_parallel, gpus_per_node=gpus_per_node,
+                traced=traced, allow=allow, host_memory=host_memory))
+        raise answer from (None if answer is error else error)
     rejected = next((f for f in families.values() if f.rejected), None)
     if rejected:
         notes.append(f"{workload.name} cannot train at micro-batch 1 ({rejected.rejected}): probed at "
@@ -748,6 +754,19 @@ def plan_counts(workload: Workload, global_batch: int, counts: list[int], **opti
         base = fits[0]
         r["efficiency"] = (r["plan"].samples_per_second / r["gpus"]) / (base["plan"].samples_per_second / base["gpus"])
     return rows
+
+
+def _in_fp32(workload: Workload, global_batch: int, why: str, answer: Exception, kept: dict) -> Plan:
+    """`plan` in fp32, after every family in the device's low precision raised (`why`). If fp32 raises too,
+    the model itself does not run: `answer`, the low-precision failure, is raised."""
+    try:
+        found = plan(workload, global_batch, precision="fp32", **kept)
+    except PlanError as e:
+        raise PlanError(f"{e} (fp32 searched: every family in low precision raised: {why})") from e
+    except (WorkloadError, EstimateError, ConfigError):
+        raise answer from None
+    found.notes.insert(0, f"fp32 searched: every family in low precision raised ({why})")
+    return found
 
 
 def _count_free(cfg: Config) -> tuple:
