@@ -166,7 +166,13 @@ def cmd_estimate(args) -> int:
     device = get_device(args.device)
     config = _config(args, device)
     workload = _workload(args)
-    est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
+    try:
+        est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
+    except WorkloadError as e:
+        if args.precision or args.config or config.precision == "fp32":
+            raise
+        raise WorkloadError(f"{str(e).strip().splitlines()[0]} (in {config.precision}, the default on "
+                            f"{device.name}; --precision fp32 to estimate it in fp32)") from e
     if note:
         est.notes.insert(0, note)
     if args.html:
