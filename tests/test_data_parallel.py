@@ -433,7 +433,10 @@ def test_a_rank_killed_mid_run_stops_the_others_with_one_line_and_the_checkpoint
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 2
-    assert err.strip().splitlines()[-1] == "memfit: error: rank 1 of 2 was stopped by SIGKILL; the agent stopped the other ranks"
+    step = max(s for s, _ in ckpt.list_checkpoints(out))
+    assert err.strip().splitlines()[-1] == (f"memfit: error: rank 1 of 2 was stopped by SIGKILL; the agent stopped the "
+                                            f"other ranks; the checkpoint of step {step} is intact (the same command "
+                                            f"with --resume goes on from it)")
     assert "Traceback" not in err and "ChildFailedError" not in err, err
     path, state = ckpt.load_latest(out)
     assert state["shards"] and state["step"] >= 2

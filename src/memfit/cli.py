@@ -335,7 +335,10 @@ def cmd_train(args) -> int:
         failure = distributed.run_ranks(args.gpus, args.argv, Path(args.out), say=lambda m: print(m, file=sys.stderr),
                                         debug=args.debug)
         if failure:
-            raise RunError(failure)
+            from memfit.runtime.checkpoints import intact
+            where = intact(args.out)
+            resume = "" if where.startswith("no checkpoint") else " (the same command with --resume goes on from it)"
+            raise RunError(f"{failure}; {where}{resume}")
         return 0
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,

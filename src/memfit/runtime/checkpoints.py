@@ -520,6 +520,14 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[0] if found else None
 
 
+def intact(run_dir: str | os.PathLike) -> str:
+    """Which checkpoint a failure leaves to resume from, checked (checksum and all), as a clause."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return "no checkpoint of this run exists yet"
+    return f"the checkpoint of step {next(s for s, p in list_checkpoints(run_dir) if p == path)} is intact"
+
+
 def load_latest(run_dir: str | os.PathLike, hash_shards: bool = True) -> tuple[Path, dict] | None:
     """(path, `load_checkpoint(path)`) of the newest intact checkpoint, each candidate read once; None if
     there is none. Skips are reported as by `latest_checkpoint`. Without `hash_shards`, a sharded
@@ -700,6 +708,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
 
 
-__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "load_latest",
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "intact", "load_checkpoint", "load_latest",
            "check_shards_together", "restore", "load_model_state", "export_safetensors", "list_checkpoints",
            "checkpoint_path", "checksum_path", "normalize_key"]

@@ -256,11 +256,7 @@ class _Run:
 
     # -------------------------------------------------------------------------------- checkpoints
     def intact(self) -> str:
-        """Which checkpoint a failure leaves to resume from, checked (checksum and all), as a clause."""
-        path = ckpt.latest_checkpoint(self.out)
-        if path is None:
-            return "no checkpoint of this run exists yet"
-        return f"the checkpoint of step {next(s for s, p in ckpt.list_checkpoints(self.out) if p == path)} is intact"
+        return ckpt.intact(self.out)
 
     def save(self, step: int) -> Path:
         """Checkpoint `step`, unless it already is; never with non-finite weights. A full disk or a Ctrl-C
