@@ -298,10 +298,10 @@ def _save_after_steps(run_dir, config: Config, steps: int, folder_made_first: bo
 
 def test_sharded_checkpoints_are_written_by_every_rank_and_resharded_on_load(tmp_path, capfd):
     """Two FSDP ranks write their own shards with torch.distributed.checkpoint (into a folder another rank's
-    writer may have made first); rank 0 commits them with a checksum per shard file. One process loads them back: the same weights, and the next step's loss equals
-    the ranks' (optimizer state included). A changed shard byte makes the checkpoint skipped, in one line.
-    Ranks resuming together hash each shard file once between them, and all stop, in the same line, at a
-    changed one."""
+    writer may have made first); rank 0 commits them with a checksum per shard file. One process loads them
+    back: the same weights, and the next step's loss equals the ranks' (optimizer state included). A changed
+    shard byte makes the checkpoint skipped, in one line. Ranks resuming together hash each shard file once
+    between them, and all stop, in the same line, at a changed one."""
     from truth import on_gloo_ranks
 
     from memfit.runtime import checkpoints as ckpt

@@ -580,8 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the uninterrupted run would (same machine and PyTorch); with --resume, as the run started")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the final report still prints)")
     p.add_argument("--gpus", type=int, default=1,
-                   help="ranks to train on: started here under torch's elastic agent, torchrun's launcher (N CPU processes with gloo on a CPU), or the "
-                        "world of an outside launcher (default: %(default)s)")
+                   help="ranks to train on: started here under torch's elastic agent, torchrun's launcher (N CPU "
+                        "processes with gloo on a CPU), or the world of an outside launcher (default: %(default)s)")
     p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "hsdp")],
                    help="layout across ranks (default: fsdp)")
     p.set_defaults(fn=cmd_train)

@@ -2,8 +2,9 @@
 
 `memfit train --gpus N` on one machine starts N copies of itself under torch's elastic agent, the launcher
 inside torchrun, run in this process (`launch`); under any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR
-(torchrun, Slurm's srun with those exported) each copy joins that world (`join`): gloo on CPUs, NCCL on GPUs. Each rank trains its share of every global batch (runtime/
-trainer.py) under the layout's FSDP2 sharding (strategies/data_parallel.py).
+(torchrun, Slurm's srun with those exported) each copy joins that world (`join`): gloo on CPUs, NCCL on GPUs.
+Each rank trains its share of every global batch (runtime/trainer.py) under the layout's FSDP2 sharding
+(strategies/data_parallel.py).
 
 Checkpoints are PyTorch's own distributed checkpoint engine (`torch.distributed.checkpoint`): every rank
 writes its own shards of the model and optimizer states, rank 0 commits them with the rest of the run's state
