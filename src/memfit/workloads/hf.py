@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from memfit.losses import chunked_cross_entropy, loss_chunks
+from memfit.torch_internals import DATA_DEPENDENT_ERRORS
 from memfit.workload import Workload, WorkloadError
 
 MISSING = "transformers is not installed: pip install 'memfit[hf]'"
@@ -131,25 +132,38 @@ def _cached_hub_config(repo_id: str) -> Path:
 
 
 @contextlib.contextmanager
-def _rows_not_packed():
-    """transformers checks whether a training batch packs several sequences per row by reading the
-    position ids; on fake tensors it cannot read them, assumes packing, and builds a T x T mask that
-    sends SDPA down a heavier path than the real run takes (+4.7% peak on a small Llama). The batches
-    this adapter makes never pack rows, so answer that check for it."""
+def _masks_as_in_a_real_run():
+    """transformers leaves out an attention mask where SDPA's causal flag, or no mask at all, does the same,
+    after reading the padding mask, the position ids or the cache's offset; it does not read a fake tensor
+    (`is_tracing`), and under memfit's trace it built masks the real run skips: a T x T mask for packed rows
+    (+4.7% peak on a small Llama), BART's decoder causal mask, kept for backward by each layer's SDPA (+0.9%
+    at seq 64, growing with seq). memfit's fake trace keeps the values of the batch, and of what is computed
+    from it and from factories (`arange`), beside the fake tensors: here those checks read them as the real
+    run does. A fake tensor whose values are not known still counts as tracing (the mask is built), and
+    the batches this adapter makes never pack rows, so that check is answered for them."""
     masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
+    packed, tracing = (getattr(masking, name, None) for name in ("find_packed_sequence_indices", "is_tracing"))
+    if packed is None or tracing is None:
         yield
         return
 
     def unpacked(position_ids):
-        return None if type(position_ids).__name__ == "FakeTensor" else original(position_ids)
+        return None if type(position_ids).__name__ == "FakeTensor" else packed(position_ids)
 
-    masking.find_packed_sequence_indices = unpacked
+    def values_unknown(tensor=None):
+        if tensor is None or type(tensor).__name__ != "FakeTensor" or tracing():
+            return tracing(tensor)
+        try:
+            bool(tensor.any())  # answered from the values the trace keeps beside it, or raises
+            return False
+        except DATA_DEPENDENT_ERRORS:
+            return True
+
+    masking.find_packed_sequence_indices, masking.is_tracing = unpacked, values_unknown
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = original
+        masking.find_packed_sequence_indices, masking.is_tracing = packed, tracing
 
 
 def _task_tables() -> dict[str, dict]:
@@ -320,10 +334,10 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         if task == "causal" and loss_chunks() > 1:  # the model's own loss would make all the logits
             rest = {k: v for k, v in b.items() if k != "labels"}
-            with _rows_not_packed():
+            with _masks_as_in_a_real_run():
                 return chunked_cross_entropy(lambda: m(**rest), m.get_output_embeddings(), b["labels"],
                                              logits=lambda out: out.logits, shift=True)
-        with _rows_not_packed():
+        with _masks_as_in_a_real_run():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
         if getattr(out, "loss", None) is None:
             raise WorkloadError(f"hf: {type(m).__name__} returns no loss to train")
