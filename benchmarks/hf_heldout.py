@@ -1,0 +1,108 @@
+"""Estimate vs the profiler on transformers architectures no test of memfit's uses: each default config shrunk
+to a toy (every size field the config has set small: hidden 64, 2 layers, 4 heads, ffn 128, vocab 1000, ...),
+CPU target, micro-batch 2, seq 64 (image models at their config's image size), fp32 and bf16 autocast. The
+truth is benchmarks/truth.py (the profiler's memory timeline of the same real step). A row is an error where
+the shrunk config does not build or train (a shrink that breaks the model's own constraints), not memfit's.
+
+    nice -n 10 python benchmarks/hf_heldout.py [--only bart,led] [--precisions fp32,bf16]
+
+Results: benchmarks/results/hf_heldout.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import memfit  # noqa: E402
+from truth import real_step_peak  # noqa: E402
+
+ARCHITECTURES = (
+    "gpt_neox,falcon,phi,gemma,mistral,opt,bloom,gptj,gpt_bigcode,codegen,ctrl,biogpt,xglm,mpt,persimmon,stablelm,"
+    "starcoder2,olmo,cohere,qwen3,granite,jetmoe,granitemoe,imagegpt,"  # causal
+    "roberta,deberta-v2,electra,albert,distilbert,xlm-roberta,mpnet,convbert,squeezebert,mobilebert,megatron-bert,"
+    "nystromformer,rembert,ernie,"  # masked
+    "bart,pegasus,mbart,mt5,umt5,switch_transformers,led,bigbird_pegasus,plbart,blenderbot,m2m_100,"  # seq2seq
+    "deit,beit,dinov2,convnextv2,regnet,levit,mobilevit,cvt,poolformer,mobilenet_v1,mobilenet_v2,vit_msn,"
+    "data2vec-vision,focalnet,pvt,segformer,bit"  # image
+).split(",")
+SMALL = dict(hidden_size=64, d_model=64, n_embd=64, embed_dim=64, dim=64, num_hidden_layers=2, num_layers=2, n_layer=2,
+             n_layers=2, encoder_layers=2, decoder_layers=2, num_decoder_layers=2, num_attention_heads=4, n_head=4,
+             n_heads=4, num_heads=4, encoder_attention_heads=4, decoder_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, ffn_dim=128, encoder_ffn_dim=128, decoder_ffn_dim=128, d_ff=128, n_inner=128,
+             vocab_size=1000, max_position_embeddings=256, n_positions=256, head_dim=16, d_kv=16,
+             num_local_experts=4, num_experts=4, moe_intermediate_size=64, embedding_size=64, rotary_dim=8)
+TIMEOUT = 120
+
+
+def toy(model_type: str):
+    """The default config with every integer size field it has set to SMALL's value."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    for name, value in SMALL.items():
+        current = getattr(cfg, name, None)
+        if isinstance(current, int) and not isinstance(current, bool):
+            setattr(cfg, name, value)
+    return cfg
+
+
+def one(model_type: str, precision: str) -> dict:
+    from memfit.workloads import hf
+
+    row = {"arch": model_type, "precision": precision}
+    try:
+        cfg = toy(model_type)
+        wl = hf.from_config(cfg, name=f"hf:{model_type}", **({} if hf.pick_task(cfg) == "image" else {"seq": 64}))
+        config = memfit.Config(micro_batch=2, precision=precision)
+        try:
+            est = memfit.estimate(wl, config)
+        except memfit.errors.MicroBatchError as e:
+            config = config.replace(micro_batch=e.smallest)
+            est = memfit.estimate(wl, config)
+        truth = real_step_peak(wl, config)
+    except Exception as e:  # noqa: BLE001 - the row says what failed
+        text = str(e).strip()
+        return {**row, "error": f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:200]}
+    return {**row, "micro_batch": config.micro_batch, "method": est.method, "estimate": est.peak_bytes,
+            "profiler": truth, "error_pct": round(100 * (est.peak_bytes - truth) / truth, 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated model types (default: ARCHITECTURES)")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--out", default=str(HERE / "results" / "hf_heldout.json"))
+    args = ap.parse_args()
+
+    def too_long(*_):
+        raise TimeoutError(f"over {TIMEOUT} s")
+
+    signal.signal(signal.SIGALRM, too_long)
+    rows = []
+    for precision in args.precisions.split(","):
+        for arch in (args.only.split(",") if args.only else ARCHITECTURES):
+            signal.alarm(TIMEOUT)
+            try:
+                row = one(arch, precision)
+            except TimeoutError as e:
+                row = {"arch": arch, "precision": precision, "error": str(e)}
+            finally:
+                signal.alarm(0)
+            rows.append(row)
+            shown = (f"{row['error_pct']:+8.3f}%  {row['estimate']:>12,} vs {row['profiler']:>12,}"
+                     if "error_pct" in row else row["error"])
+            print(f"{arch:20s} {precision}  {shown}", flush=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    done = [r for r in rows if "error_pct" in r]
+    within = [r for r in done if abs(r["error_pct"]) <= 1]
+    print(f"{len(within)} of {len(done)} within 1% ({len(rows) - len(done)} did not build or train as shrunk)")
+
+
+if __name__ == "__main__":
+    main()
