@@ -1,6 +1,6 @@
-"""Estimate vs the profiler on transformers architectures no test of memfit's uses: each default config shrunk
-to a toy (every size field the config has set small: hidden 64, 2 layers, 4 heads, ffn 128, vocab 1000, ...),
-CPU target, micro-batch 2, seq 64 (image models at their config's image size), fp32 and bf16 autocast. The
+"""Estimate vs the profiler on 66 transformers architectures no test of memfit's uses: each default config
+shrunk to a toy (every size field the config has set small: hidden 64, 2 layers, 4 heads, ffn 128, vocab 1000,
+...), CPU target, micro-batch 2, seq 64 (image models at their config's image size), fp32 and bf16 autocast. The
 truth is benchmarks/truth.py (the profiler's memory timeline of the same real step). A row is an error where
 the shrunk config does not build or train (a shrink that breaks the model's own constraints), not memfit's.
 
