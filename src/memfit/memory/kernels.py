@@ -56,7 +56,8 @@ Reductions that accumulate in another dtype on the CPU (sum, prod, cumsum, cumpr
 tensor into int64, or with `dtype=`): the kernel first copies the whole input into the output's dtype
 (numel x output element bytes) and frees it on return, e.g. `mask.sum()` of a bool mask holds 8 bytes per
 element. Profiled for bool, uint8, int32, bf16->fp32 and fp32->fp64, full and per-dimension: exact
-(`CASTING_REDUCTIONS`, tests/test_kernels.py).
+(`CASTING_REDUCTIONS`, tests/test_kernels.py). Softmax and log-softmax, forward and backward, first copy each
+non-contiguous tensor input into a contiguous one for the call (`CONTIGUOUS_FIRST`): measured equal.
 
 Data parallelism on CPU ranks (gloo): FSDP2's `fsdp.chunk_cat` (a unit's gradients into the reduce-scatter
 input) pads and copies into temporaries on the CPU: measured per call signature like the convolutions.
@@ -180,6 +181,12 @@ LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm
 # Reductions whose CPU kernels copy their input into the accumulation dtype first (module docstring).
 CASTING_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.prod.default, aten.prod.dim_int,
                                 aten.cumsum.default, aten.cumprod.default})
+# CPU softmax kernels work on contiguous copies of their tensor inputs (forward: the input; backward: the
+# gradient and the output), made inside the kernel and freed before it returns: each non-contiguous one costs
+# its own bytes for the call (profiled: a permuted (2, 512, 4, 513) fp32 input, 8.4 MB, in Longformer's
+# sliding-window attention; contiguous inputs cost nothing).
+CONTIGUOUS_FIRST = frozenset({aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+                              aten._log_softmax_backward_data.default})
 # A measurement runs the op on real tensors of the traced shapes: their bytes, times this, must fit in the
 # memory the host has available (the outputs and the workspace come on top of the inputs).
 HEADROOM = 8
@@ -280,6 +287,9 @@ class CpuWorkspaces:
         if func in CASTING_REDUCTIONS:
             x = args[0]
             return x.numel() * out.element_size() if isinstance(out, torch.Tensor) and out.dtype != x.dtype else 0
+        if func in CONTIGUOUS_FIRST:
+            return sum(t.numel() * t.element_size() for t in args[:2]
+                       if isinstance(t, torch.Tensor) and not t.is_contiguous())
         if str(func) == GLOO_REDUCE_SCATTER:
             return args[1].untyped_storage().nbytes()
         if str(func) == GLOO_ALL_GATHER:
