@@ -57,7 +57,8 @@ tensor into int64, or with `dtype=`): the kernel first copies the whole input in
 (numel x output element bytes) and frees it on return, e.g. `mask.sum()` of a bool mask holds 8 bytes per
 element. Profiled for bool, uint8, int32, bf16->fp32 and fp32->fp64, full and per-dimension: exact
 (`CASTING_REDUCTIONS`, tests/test_kernels.py). Softmax and log-softmax, forward and backward, first copy each
-non-contiguous tensor input into a contiguous one for the call (`CONTIGUOUS_FIRST`): measured equal.
+non-contiguous tensor input into a contiguous one for the call (`CONTIGUOUS_FIRST`), and the mean of a whole
+bf16 or fp16 tensor holds an fp32 copy of it (`UPCASTING_MEANS`): measured equal.
 
 Data parallelism on CPU ranks (gloo): FSDP2's `fsdp.chunk_cat` (a unit's gradients into the reduce-scatter
 input) pads and copies into temporaries on the CPU: measured per call signature like the convolutions.
@@ -181,6 +182,9 @@ LOW_PRECISION_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm
 # Reductions whose CPU kernels copy their input into the accumulation dtype first (module docstring).
 CASTING_REDUCTIONS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.prod.default, aten.prod.dim_int,
                                 aten.cumsum.default, aten.cumprod.default})
+# The mean of a whole bf16 / fp16 tensor: the CPU kernel accumulates in fp32 over an fp32 copy of the input,
+# freed on return (profiled: numel x 4 bytes, and a few bytes of scalars; the sum of one does not).
+UPCASTING_MEANS = frozenset({aten.mean.default})
 # CPU softmax kernels work on contiguous copies of their tensor inputs (forward: the input; backward: the
 # gradient and the output), made inside the kernel and freed before it returns: each non-contiguous one costs
 # its own bytes for the call (profiled: a permuted (2, 512, 4, 513) fp32 input, 8.4 MB, in Longformer's
@@ -287,6 +291,9 @@ class CpuWorkspaces:
         if func in CASTING_REDUCTIONS:
             x = args[0]
             return x.numel() * out.element_size() if isinstance(out, torch.Tensor) and out.dtype != x.dtype else 0
+        if func in UPCASTING_MEANS:
+            x = args[0]
+            return x.numel() * 4 if x.dtype in (torch.bfloat16, torch.float16) else 0
         if func in CONTIGUOUS_FIRST:
             return sum(t.numel() * t.element_size() for t in args[:2]
                        if isinstance(t, torch.Tensor) and not t.is_contiguous())
