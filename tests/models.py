@@ -435,3 +435,20 @@ def linear_regression(d: int, sigma: float, w_star: torch.Tensor, lr: float = 0.
 
     return Workload(model=model, batch=batch, loss=lambda m, b: F.mse_loss(m(b["x"]).squeeze(-1), b["y"]),
                     optimizer=lambda p: torch.optim.SGD(p, lr=lr), name="linear-regression")
+
+
+class FourierMixer(nn.Module):
+    """FNet's token mixing in one layer: FFTs have no bf16 kernel (CUDA's neither), so its bf16 step raises."""
+
+    def __init__(self, features: int = 16, classes: int = 4):
+        super().__init__()
+        self.inp, self.out = nn.Linear(features, features), nn.Linear(features, classes)
+
+    def forward(self, x):
+        return self.out(torch.fft.fft(self.inp(x)).real)
+
+
+def fourier(features: int = 16, classes: int = 4) -> Workload:
+    return Workload(model=lambda: FourierMixer(features, classes),
+                    batch=lambda n: (torch.randn(n, features), torch.randint(0, classes, (n,))),
+                    loss=classify, name="fourier")

@@ -357,25 +357,8 @@ def test_rates_print_with_three_figures_grouped_not_in_scientific_notation():
 def test_an_estimate_that_raises_in_the_default_precision_says_so_and_how_to_choose(tmp_path, capsys):
     """FNet-style token mixing (an FFT: no bf16 kernel, on CUDA neither) in the bf16 a GPU defaults to: the
     one line names the precision memfit chose and the flag that estimates it in fp32."""
-
     job = tmp_path / "fourier.py"
-    job.write_text(textwrap.dedent("""
-        import torch
-        import torch.nn.functional as F
-        import memfit
-
-        class Mixer(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inp, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
-
-            def forward(self, x):
-                return self.out(torch.fft.fft(self.inp(x)).real)
-
-        def workload():
-            return memfit.Workload(model=Mixer, batch=lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))),
-                                   loss=lambda model, b: F.cross_entropy(model(b[0]), b[1]), name="fourier")
-    """))
+    job.write_text("from models import fourier as workload\n")  # tests/models.py
     assert main(["estimate", f"{job}:workload", "--device", "h100"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "BFloat16" in err[0] and "(in bf16, the default on h100; --precision fp32" in err[0]

@@ -16,6 +16,8 @@ from memfit.memory.tracker import OpTrace
 from memfit.planner.search import MARGIN, PlanError, max_micro_batch, plan, price, resolve_budget
 from memfit.workloads import builtin
 
+import models
+
 # a fixed machine so that rankings in these tests do not depend on the host they run on
 FLAT = Profile(device="test", kind="cpu", source="fixed test figures",
                matmul={"f32": [[1e6, 1e-5], [1e12, 10.0]], "lp": [[1e6, 2e-5], [1e12, 20.0]]},
@@ -518,24 +520,10 @@ def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_search
     assert p.estimate.device_peak_bytes <= resolve_budget("1.2GiB", get_device("h100"))
 
 
-class _FourierMixer(torch.nn.Module):
-    """FNet's token mixing in one layer: FFTs have no bf16 kernel (CUDA's neither), so its bf16 step raises."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.out(torch.fft.fft(self.inp(x)).real)
-
-
 def test_a_model_without_low_precision_kernels_is_planned_in_fp32():
     """On a GPU the planner searches bf16 only; where every bf16 family raises, it searches fp32 and says
     why, instead of failing. A model that raises in fp32 too gets the bf16 failure."""
-    import torch.nn.functional as F
-
-    wl = memfit.Workload(model=_FourierMixer, batch=lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))),
-                         loss=lambda model, b: F.cross_entropy(model(b[0]), b[1]), name="fourier")
+    wl = models.fourier()
     p = plan(wl, 8, device="h100", activation_checkpoint="none", offload_activations=False, offload_optimizer=False)
     assert p.config.precision == "fp32" and p.confirmed
     assert "fp32 searched: every family in low precision raised" in p.notes[0] and "BFloat16" in p.notes[0]
