@@ -25,7 +25,6 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
     pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
-    pinned |= {"cache_across_storage_offsets"}  # per-token loops hit the fake op cache
     assert set(ti.__all__) == pinned
 
 
@@ -186,37 +185,6 @@ def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
         layer.to(torch.float64)
         assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
         assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
-
-
-def _scan_misses(mode: ti.FakeTensorMode) -> tuple[int, int]:
-    """A per-token loop over slices of one tensor (as transformers' reference selective scan is), forward and
-    backward, in `mode`: the fake op cache's misses on the last token's forward ops, and its hits in all."""
-    hits, misses = ti.FakeTensorMode.cache_hits, []
-    with mode:
-        x = torch.randn(3, 29, 13, requires_grad=True)  # shapes no other test uses: the cache is process-wide
-        h = torch.zeros(3, 13)
-        for i in range(x.shape[1]):
-            misses.append(ti.FakeTensorMode.cache_misses)
-            h = torch.tanh(x[:, i] * h + x[:, i].unsqueeze(-1).transpose(0, 1).transpose(0, 1).squeeze(-1))
-        misses.append(ti.FakeTensorMode.cache_misses)
-        h.sum().backward()
-        assert x.grad.shape == x.shape
-    return misses[-1] - misses[-2], ti.FakeTensorMode.cache_hits - hits
-
-
-def test_a_memfit_fake_mode_answers_ops_on_slices_at_any_offset_from_its_cache_as_a_dispatch_would():
-    """torch's cache keys every tensor by its storage offset, so each token's slice misses on every op; under
-    `cache_across_storage_offsets` only the ops whose arguments name the token (select's index) do. torch's
-    cross-check compares each cache hit with a fresh dispatch (shapes, strides, storage offsets, views' bases)
-    and raises on any difference. If the plain mode stops missing, torch fixed it and the shim can go."""
-    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
-    ti.cache_across_storage_offsets(mode)
-    mode.cache_crosscheck_enabled = True
-    misses, hits = _scan_misses(mode)  # first: the plain mode's entries would answer keys torch also makes
-    # the select of token i and the as_strided its meta kernel calls; the rest hit, checked against dispatches
-    assert misses == 2 and hits > 100
-    plain_misses, _ = _scan_misses(ti.FakeTensorMode(allow_non_fake_inputs=True))
-    assert plain_misses >= 6  # and mul, unsqueeze, the transposes, squeeze, add: each op on the slice
 
 
 def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():

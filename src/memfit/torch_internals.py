@@ -7,12 +7,8 @@ benchmarks) imports a private torch module or reads a private attribute.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import threading
 
 import torch
-from torch._subclasses import fake_tensor as _fake_tensor
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -20,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.errors import EstimateError
 
-__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "cache_across_storage_offsets", "DATA_DEPENDENT_ERRORS",
+__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
            "FakeTensorMode", "grad_scaler_tensors", "held_by", "import_dynamo", "make_op_outputs_swappable",
@@ -125,88 +121,6 @@ def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
     mode.fake_tensor_converter.from_meta_and_device = from_meta_and_device
-
-
-def cache_across_storage_offsets(mode: FakeTensorMode) -> None:
-    """Let `mode`'s dispatch cache answer an op whatever the storage offsets of its inputs. The cache keys each
-    tensor by its metadata, storage offset and storage size included, so a per-token loop (transformers'
-    reference selective scan, RWKV's), which works on a new slice of a tensor at every step, missed it on
-    nearly every op and took FakeTensor's slow path (~3x the cost of a hit). Neither matters where the
-    output does not alias an input (a fresh tensor's metadata follows from shapes, strides and dtypes), nor
-    for the views in `_SHIFTING_VIEWS`, whose output starts at a distance from their input's start that the
-    key fixes: for those the cache keeps that distance and adds the input's offset back on a hit. Two Mamba
-    layers at seq 256: 7,766 misses -> 3,170, 6.0 s -> 4.9 s. `mode` only; other fake modes keep torch's
-    cache as it is (their keys carry storage sizes, these none, so the two never meet in the shared cache)."""
-    if mode.shape_env is not None:  # symbolic offsets: leave them to torch
-        return
-    _fake_tensor.extract_tensor_metadata = _metadata_for_keys
-    cls = type(mode)
-
-    def cache_key(state, func, args, kwargs):
-        if _offset_free(func) is None:
-            return cls._cache_key(mode, state, func, args, kwargs)
-        _metadata_mode.how = "key"  # not a context manager: torch's bypass exception refuses a new traceback
-        try:
-            return cls._cache_key(mode, state, func, args, kwargs)
-        finally:
-            _metadata_mode.how = None
-
-    def output_info(state, key, func, args, kwargs, output):
-        if _offset_free(func) != "view" or not isinstance(output, torch.Tensor) or any(a is output for a in args):
-            return cls._get_output_info_for_cache_entry(mode, state, key, func, args, kwargs, output)
-        _metadata_mode.how = next(a for a in args if isinstance(a, torch.Tensor)).storage_offset()
-        try:
-            return cls._get_output_info_for_cache_entry(mode, state, key, func, args, kwargs, output)
-        finally:
-            _metadata_mode.how = None
-
-    def output_tensor(state, entry, key, func, args):
-        if _offset_free(func) == "view" and entry.view_idx is not None:
-            start = args[entry.view_idx].storage_offset()
-            where = dataclasses.replace(entry.metadata, storage_offset=entry.metadata.storage_offset + start)
-            entry = dataclasses.replace(entry, metadata=where)
-        return cls._get_output_tensor_from_cache_entry(mode, state, entry, key, func, args)
-
-    mode._cache_key = cache_key
-    mode._get_output_info_for_cache_entry = output_info
-    mode._get_output_tensor_from_cache_entry = output_tensor
-
-
-_aten = torch.ops.aten
-# views whose output starts at a distance from their input's start set by shapes, strides and arguments alone
-# (not as_strided, whose offset is absolute, nor dtype-changing views, whose offsets are counted in other units)
-_SHIFTING_VIEWS = frozenset({
-    _aten.select.int, _aten.slice.Tensor, _aten.view.default, _aten.transpose.int, _aten.t.default,
-    _aten.permute.default, _aten.unsqueeze.default, _aten.squeeze.default, _aten.squeeze.dim, _aten.squeeze.dims,
-    _aten.expand.default, _aten.detach.default, _aten.alias.default, torch.ops.prims.view_of.default,
-    _aten.unfold.default, _aten.diagonal.default, _aten.split.Tensor, _aten.split_with_sizes.default,
-    _aten.unbind.int, _aten._reshape_alias.default})
-_extract_tensor_metadata = _fake_tensor.extract_tensor_metadata
-_metadata_mode = threading.local()
-
-
-@functools.lru_cache(maxsize=None)
-def _offset_free(func) -> str | None:
-    """"view" (a shifting view), "fresh" (no argument or output aliases another, and no offset argument) or
-    None (keyed as torch keys it)."""
-    if func in _SHIFTING_VIEWS:
-        return "view"
-    schema = getattr(func, "_schema", None)
-    if schema is None or any(a.name == "storage_offset" for a in schema.arguments):
-        return None
-    return None if any(a.alias_info is not None for a in (*schema.arguments, *schema.returns)) else "fresh"
-
-
-def _metadata_for_keys(t: torch.Tensor):
-    """torch's tensor metadata; while a key is made, without offset and storage size; while a view's output is
-    recorded, with its offset from its input's (`how`)."""
-    metadata = _extract_tensor_metadata(t)  # a fresh object: changed in place
-    how = getattr(_metadata_mode, "how", None)
-    if how == "key":
-        metadata.storage_offset, metadata.storage_bytes = 0, None
-    elif how is not None:
-        metadata.storage_offset -= how
-    return metadata
 
 
 def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:

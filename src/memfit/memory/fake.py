@@ -11,8 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from memfit.torch_internals import (DEVICE_QUERY, FAKE_TENSOR_LOGGER, DataDependentOutputException, FakeTensor,
-                                    FakeTensorMode, TorchDispatchMode, answer_device_query,
-                                    cache_across_storage_offsets, fake_constant,
+                                    FakeTensorMode, TorchDispatchMode, answer_device_query, fake_constant,
                                     fake_constants_up_to, make_op_outputs_swappable, trunc_normal_skipped,
                                     unset_fake_temporarily)
 
@@ -36,11 +35,9 @@ def quiet_fake_errors():
 def new_fake_mode() -> FakeTensorMode:
     """Fake tensors carry shapes, dtypes and devices but no data; ops run their meta kernels. Real tensors
     from outside (module-level constants in user code) are converted on use instead of refused. Modules
-    may move or cast their fake parameters (PEFT's adapters do), as on real tensors. Its op cache answers
-    ops on slices at any offset (per-token loops)."""
+    may move or cast their fake parameters (PEFT's adapters do), as on real tensors."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     make_op_outputs_swappable(mode)
-    cache_across_storage_offsets(mode)
     return mode
 
 
