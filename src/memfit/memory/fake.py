@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_fl
 
 from memfit.torch_internals import (DEVICE_QUERY, FAKE_TENSOR_LOGGER, DataDependentOutputException, FakeTensor,
                                     FakeTensorMode, TorchDispatchMode, answer_device_query, fake_constant,
-                                    fake_constants_up_to, make_op_outputs_swappable, trunc_normal_skipped,
-                                    unset_fake_temporarily)
+                                    fake_constants_up_to, fast_cache_keys, make_op_outputs_swappable,
+                                    trunc_normal_skipped, unset_fake_temporarily)
 
 __all__ = ["FakeTensor", "FakeTensorMode", "FlopCounterMode", "OptimizerScalars", "FakeBuild", "LayerDropDraws",
            "new_fake_mode", "is_fake", "quiet_fake_errors", "op_flops", "trace_optimizer"]
@@ -38,6 +38,7 @@ def new_fake_mode() -> FakeTensorMode:
     may move or cast their fake parameters (PEFT's adapters do), as on real tensors."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     make_op_outputs_swappable(mode)
+    fast_cache_keys(mode)
     return mode
 
 
