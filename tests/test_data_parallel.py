@@ -143,25 +143,35 @@ def test_cli_estimates_per_rank_and_refuses_bad_layouts_in_one_line(capfd):
 def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint, accum, chunks):
     """Two real ranks (forked processes, gloo) train gpt-tiny under FSDP2 or DDP as memfit applies it (DDP at
     micro-batch 8: its buckets hold every gradient from the start of backward, 0.66 MB above one process's
-    peak); each measures
-    its own peak with the CPU allocator's running total (benchmarks/truth.py). gloo's worker thread can
-    release a collective's tensors late, on one rank or on both, which only ever adds to a peak
-    (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to five runs (a run that
+    peak); each measures its own peak with the CPU allocator's running total (benchmarks/truth.py). gloo's
+    worker thread can release a collective's tensors late, on one rank or on both, which only ever adds to a
+    peak (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to RACE_RUNS runs (a run that
     already agrees ends the search; the minimum can only come down towards the race-free peak, so an
-    estimate above it still fails, and one below it too). Three runs were not always enough in a full suite:
-    once all three were 3.2% above the estimate."""
-    from truth import rank_step_peaks
-
+    estimate above it still fails, and one below it too)."""
     wl = builtin("gpt-tiny")
     cfg = Config(micro_batch=8 // accum, grad_accum=accum, gpus=2, data_parallel=layout, precision=precision,
                  activation_checkpoint=checkpoint, loss_chunks=chunks)
     est = memfit.estimate(wl, cfg)
-    lowest = min(rank_step_peaks(wl, cfg))
-    for _ in range(4):
-        if est.peak_bytes == pytest.approx(lowest, rel=0.01):
+    assert est.peak_bytes == pytest.approx(_lowest_rank_peak(wl, cfg, est.peak_bytes), rel=0.01)
+
+
+# Runs of real gloo ranks a per-rank estimate is compared with, at most: gloo's worker thread keeps a finished
+# collective's tensors until it gets to them, adding 128-900 KB to a rank's peak. gpt-tiny fsdp-no-reshard
+# fp32 with checkpointing, 16 runs of two ranks: both ranks high in 4 to 7 (a quiet box, December 5); five
+# runs all high failed this test once in a full suite, and three before that.
+RACE_RUNS = 12
+
+
+def _lowest_rank_peak(workload, config: Config, estimate: int) -> int:
+    """The lowest rank peak over runs of real gloo ranks, stopping at the first run within 1% of `estimate`."""
+    from truth import rank_step_peaks
+
+    lowest = min(rank_step_peaks(workload, config))
+    for _ in range(RACE_RUNS - 1):
+        if estimate == pytest.approx(lowest, rel=0.01):
             break
-        lowest = min(lowest, *rank_step_peaks(wl, cfg))
-    assert est.peak_bytes == pytest.approx(lowest, rel=0.01)
+        lowest = min(lowest, *rank_step_peaks(workload, config))
+    return lowest
 
 
 def _train_and_gather(config: Config, steps: int, workload=None):
@@ -209,7 +219,7 @@ def test_qlora_on_fsdp_ranks_shards_the_4bit_base_and_trains_as_one_process():
     equals each rank's own peak within 1% (the lowest of up to three runs: gloo frees late, see above)."""
     from torch.distributed.tensor import DTensor
 
-    from truth import on_gloo_ranks, rank_step_peaks
+    from truth import on_gloo_ranks
 
     one = Config(micro_batch=4, grad_accum=4, precision="bf16-pure", base_4bit=True)
     one_losses, one_weights = _train_and_gather(one, steps=2, workload=_qlora())
@@ -231,11 +241,7 @@ def test_qlora_on_fsdp_ranks_shards_the_4bit_base_and_trains_as_one_process():
             torch.testing.assert_close(torch.from_numpy(weights[name]).float(),
                                        torch.from_numpy(one_weights[name]).float(), rtol=2e-2, atol=2e-3, msg=name)
     est = memfit.estimate(_qlora(), cfg.replace(micro_batch=8, grad_accum=1))
-    lowest = min(rank_step_peaks(_qlora(), cfg.replace(micro_batch=8, grad_accum=1)))
-    for _ in range(2):
-        if est.peak_bytes == pytest.approx(lowest, rel=0.01):
-            break
-        lowest = min(lowest, *rank_step_peaks(_qlora(), cfg.replace(micro_batch=8, grad_accum=1)))
+    lowest = _lowest_rank_peak(_qlora(), cfg.replace(micro_batch=8, grad_accum=1), est.peak_bytes)
     assert est.peak_bytes == pytest.approx(lowest, rel=0.01)
 
 
