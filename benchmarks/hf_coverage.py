@@ -205,7 +205,7 @@ def main() -> None:
     archs = args.only.split(",") if args.only else architectures()
     before = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
     done = {r["arch"]: r for r in before if r["method"] == "fake"} if args.resume else {}
-    rows = []
+    rows, table = [], before
     for i, arch in enumerate(archs):
         row = done.get(arch) or run_child(arch, args.timeout)
         rows.append(row)
@@ -215,10 +215,9 @@ def main() -> None:
         redone = {r["arch"]: r for r in rows}
         table = [redone.pop(r["arch"], r) for r in before] + list(redone.values()) if args.only else rows
         Path(args.out).write_text(json.dumps(table, indent=1))
-    if not args.only:
-        (RESULTS / "hf_coverage.md").write_text(
-            f"# transformers coverage (`benchmarks/hf_coverage.py`)\n\nH100 target, bf16, micro-batch 1, seq {SEQ} "
-            f"(image models at their image size), library-default configs.\n\n{summary(rows)}\n{markdown(rows)}")
+    Path(args.out).with_suffix(".md").write_text(  # the whole table, rows redone by --only in their places
+        f"# transformers coverage (`benchmarks/hf_coverage.py`)\n\nH100 target, bf16, micro-batch 1, seq {SEQ} "
+        f"(image models at their image size), library-default configs.\n\n{summary(table)}\n{markdown(table)}")
     print(summary(rows))
 
 
