@@ -136,13 +136,14 @@ def fast_cache_keys(mode: FakeTensorMode) -> None:
     from torch's in the process-wide cache. Traces ~20% faster (gpt-small, bf16 on an H100: 0.90 -> 0.70 s)."""
     cls = type(mode)
 
-    def flatten(parts: list, args) -> None:
+    def flatten(parts: list, args) -> bool:
+        """Append `args`' key to `parts`; False where one is not a common argument."""
         parts.append(len(args))
         for a in args:
             kind = type(a)
             if kind is FakeTensor:
                 if a.fake_mode is not mode or a.constant is not None or a.layout is not torch.strided:
-                    raise _KeyedByTorch
+                    return False
                 parts.append((a.dtype, a.shape, a.stride(), a.device, a.storage_offset(),
                               a.untyped_storage().nbytes(), a.requires_grad, a.is_conj(), a.is_neg(),
                               a.is_inference()))
@@ -150,29 +151,21 @@ def fast_cache_keys(mode: FakeTensorMode) -> None:
                 parts += (kind, a)
             elif kind is list or kind is tuple or kind is torch.Size:
                 parts.append(kind)
-                flatten(parts, a)
+                if not flatten(parts, a):
+                    return False
             else:
-                raise _KeyedByTorch
+                return False
+        return True
 
     def cache_key(state, func, args, kwargs):
         if mode.shape_env is None and get_proxy_mode() is None:
             parts = [_FAST_KEY, func, torch.get_default_dtype(), torch._C._get_default_device(),
                      torch.is_inference_mode_enabled()]
-            try:
-                flatten(parts, args)
-                if kwargs:
-                    parts.append(tuple(kwargs))
-                    flatten(parts, tuple(kwargs.values()))
+            if flatten(parts, (tuple(args), tuple(kwargs), tuple(kwargs.values()))):  # kwargs: names, values
                 return _DispatchCacheKey(tuple(parts))
-            except _KeyedByTorch:
-                pass
         return cls._cache_key(mode, state, func, args, kwargs)
 
     mode._cache_key = cache_key
-
-
-class _KeyedByTorch(Exception):
-    """An argument fast_cache_keys leaves to torch's key."""
 
 
 _FAST_KEY = object()
