@@ -203,20 +203,46 @@ def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_
         z = torch.cat([y, y.to(torch.bfloat16).float()], dim=0).sum(dim=(0,), keepdim=True, dtype=torch.float64)
         w = x[:, 2].unsqueeze(0) + x[:, 3].unsqueeze(0)  # views alike but for their storage offset
         (z.mean() + F.softmax(x, dim=-1).sum() + w.sum()).backward()
-        return torch.full((2,), 1), torch.full((2,), 1.0), torch.full((2,), True), x.grad
+        same_but_dtype = torch.ones(4, 9, dtype=torch.bfloat16) + 1, torch.ones(4, 9, dtype=torch.float16) + 1
+        return torch.full((2,), 1), torch.full((2,), 1.0), torch.full((2,), True), same_but_dtype, x.grad
 
     with mode:
         step()
         hits, misses = ti.FakeTensorMode.cache_hits, ti.FakeTensorMode.cache_misses
-        ints, floats, bools, grad = step()
+        ints, floats, bools, (in_bf16, in_fp16), grad = step()
     assert ti.FakeTensorMode.cache_misses == misses and ti.FakeTensorMode.cache_hits - hits >= 20
     assert (ints.dtype, floats.dtype, bools.dtype) == (torch.int64, torch.float32, torch.bool)
+    assert (in_bf16.dtype, in_fp16.dtype) == (torch.bfloat16, torch.float16)
     assert grad.shape == (5, 7, 11) and is_fake(grad)
     bypassed = ti.FakeTensorMode.cache_bypasses["constant attribute"]
     constant = ti.fake_constant(mode, torch.ones(3))
     with mode:
         constant + 1
     assert ti.FakeTensorMode.cache_bypasses["constant attribute"] == bypassed + 1
+
+
+def test_a_transformers_step_traced_with_fast_keys_is_cross_checked_and_estimated_as_with_torchs(monkeypatch):
+    """A whole traced step of a model memfit did not write (transformers' Llama, bf16 for an H100: autocast,
+    SDPA, the fused optimizer) with torch's cross-check on every cache hit, and the same estimate to the
+    byte and op for op with torch's own keys."""
+    import memfit
+    from memfit.memory import fake
+    from memfit.memory.estimate import probe
+    from memfit.workloads import builtin
+
+    pytest.importorskip("transformers")
+    wl, config = builtin("hf:llama"), memfit.Config(micro_batch=2, precision="bf16")
+    def cross_checked(mode):
+        ti.fast_cache_keys(mode)
+        mode.cache_crosscheck_enabled = True
+
+    monkeypatch.setattr(fake, "fast_cache_keys", cross_checked)
+    fast = probe(wl, config, "h100", isolate=False)
+    monkeypatch.setattr(fake, "fast_cache_keys", lambda mode: None)
+    slow = probe(wl, config, "h100", isolate=False)
+    assert fast.estimate.method == slow.estimate.method == "fake"
+    assert fast.estimate.peak_bytes == slow.estimate.peak_bytes
+    assert fast.ops.bytes == slow.ops.bytes and fast.ops.name == slow.ops.name
 
 
 def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():
