@@ -19,11 +19,12 @@ from memfit.errors import EstimateError
 
 __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
-           "fast_cache_keys", "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER",
-           "FakeTensor", "FakeTensorMode", "grad_scaler_tensors", "held_by", "import_dynamo", "make_op_outputs_swappable",
-           "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
-           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key",
-           "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
+           "FakeTensorMode", "fast_cache_keys", "grad_scaler_tensors", "held_by", "import_dynamo",
+           "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
+           "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
+           "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
+           "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
