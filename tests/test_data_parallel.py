@@ -145,8 +145,8 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
     micro-batch 8: its buckets hold every gradient from the start of backward, 0.66 MB above one process's
     peak); each measures its own peak with the CPU allocator's running total (benchmarks/truth.py). gloo's
     worker thread can release a collective's tensors late, on one rank or on both, which only ever adds to a
-    peak (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to RACE_RUNS runs (a run that
-    already agrees ends the search; the minimum can only come down towards the race-free peak, so an
+    peak (BENCHMARKS.md): the estimate is compared with the lowest rank peak over up to RACE_RUNS runs (a run
+    that already agrees ends the search; the minimum can only come down towards the race-free peak, so an
     estimate above it still fails, and one below it too)."""
     wl = builtin("gpt-tiny")
     cfg = Config(micro_batch=8 // accum, grad_accum=accum, gpus=2, data_parallel=layout, precision=precision,
@@ -216,7 +216,7 @@ def test_qlora_on_fsdp_ranks_shards_the_4bit_base_and_trains_as_one_process():
     """QLoRA under FSDP2 (torchtune's 70B/405B recipes): the NF4 codes and their scales are frozen parameters,
     so fully_shard shards them with the rest (gathered as bytes beside the bf16 ones); the losses and the
     adapters equal one process's (bf16-pure; tolerances of bf16 sums of 16 rows), and the per-rank estimate
-    equals each rank's own peak within 1% (the lowest of up to three runs: gloo frees late, see above)."""
+    equals each rank's own peak within 1% (the lowest of up to RACE_RUNS runs: gloo frees late, see above)."""
     from torch.distributed.tensor import DTensor
 
     from truth import on_gloo_ranks

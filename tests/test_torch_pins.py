@@ -191,8 +191,9 @@ def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
 def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_torch():
     """Under `fast_cache_keys`, with torch's cross-check on (each cache hit compared with a fresh dispatch:
     dtype, shape, strides, storage offset, views' bases), a step with views, scalars of each type, dtype and
-    list arguments and keyword arguments runs twice and its second run is all hits; 1 and 1.0 are told apart
-    (they make int64 and float32); a tensor with a constant still bypasses the cache as torch decides."""
+    list arguments and keyword arguments runs twice and its second run is all hits; 1, 1.0 and True are told
+    apart (int64, float32, bool), as are bf16 and fp16 tensors (same storage size); a tensor with a constant
+    still bypasses the cache as torch decides."""
     mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
     ti.fast_cache_keys(mode)
     mode.cache_crosscheck_enabled = True
@@ -223,8 +224,8 @@ def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_
 
 def test_a_transformers_step_traced_with_fast_keys_is_cross_checked_and_estimated_as_with_torchs(monkeypatch):
     """A whole traced step of a model memfit did not write (transformers' Llama, bf16 for an H100: autocast,
-    SDPA, the fused optimizer) with torch's cross-check on every cache hit, and the same estimate to the
-    byte and op for op with torch's own keys."""
+    SDPA, the optimizer's foreach kernels) with torch's cross-check on every cache hit, and the same estimate
+    to the byte and op for op with torch's own keys."""
     import memfit
     from memfit.memory import fake
     from memfit.memory.estimate import probe
@@ -232,6 +233,7 @@ def test_a_transformers_step_traced_with_fast_keys_is_cross_checked_and_estimate
 
     pytest.importorskip("transformers")
     wl, config = builtin("hf:llama"), memfit.Config(micro_batch=2, precision="bf16")
+
     def cross_checked(mode):
         ti.fast_cache_keys(mode)
         mode.cache_crosscheck_enabled = True
