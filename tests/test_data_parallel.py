@@ -157,8 +157,9 @@ def test_per_rank_estimate_matches_real_gloo_ranks(layout, precision, checkpoint
 
 # Runs of real gloo ranks a per-rank estimate is compared with, at most: gloo's worker thread keeps a finished
 # collective's tensors until it gets to them, adding 128-900 KB to a rank's peak. gpt-tiny fsdp-no-reshard
-# fp32 with checkpointing, 16 runs of two ranks: both ranks high in 4 to 7 (a quiet box, December 5); five
-# runs all high failed this test once in a full suite, and three before that.
+# fp32 with checkpointing, 16 runs of two ranks on a quiet box (December 5): both ranks high in 4 at two steps
+# a run (truth.py's default), in 10 at one step and 13 at six; five runs all high failed this test once in a
+# full suite, and three before that.
 RACE_RUNS = 12
 
 
