@@ -1,5 +1,6 @@
 """Pins for the private PyTorch pieces memfit relies on, every one behind memfit/torch_internals.py.
 If a torch upgrade moves or changes one of them, these fail before any estimate silently goes wrong."""
+import contextlib
 import logging
 import weakref
 
@@ -26,6 +27,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
     pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
     pinned |= {"fast_cache_keys"}  # a fifth of every op's cost
+    pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
     assert set(ti.__all__) == pinned
 
 
@@ -245,6 +247,33 @@ def test_a_transformers_step_traced_with_fast_keys_is_cross_checked_and_estimate
     assert fast.estimate.method == slow.estimate.method == "fake"
     assert fast.estimate.peak_bytes == slow.estimate.peak_bytes
     assert fast.ops.bytes == slow.ops.bytes and fast.ops.name == slow.ops.name
+
+
+def test_checkpoints_recompute_drops_function_modes_and_they_can_be_pushed_again():
+    """torch.utils.checkpoint recomputes from backward without the TorchFunctionModes its forward ran under
+    (if this starts to see the mode, torch carries them and `function_modes_again` can go); pushed again by
+    the recompute context, the recompute sees them, and they are gone after."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.checkpoint import checkpoint
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def block(x):
+        seen.append([type(m).__name__ for m in ti.function_modes()])
+        return x.sin().cos()
+
+    def contexts():
+        return contextlib.nullcontext(), ti.function_modes_again(ti.function_modes())
+
+    for context_fn, recomputed in ((None, []), (contexts, ["Seen"])):
+        seen: list = []
+        x = torch.randn(3, requires_grad=True)
+        with Seen():
+            kwargs = {"context_fn": context_fn} if context_fn else {}
+            checkpoint(block, x, use_reentrant=False, **kwargs).sum().backward()
+        assert seen == [["Seen"], recomputed] and ti.function_modes() == []
 
 
 def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():

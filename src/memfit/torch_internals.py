@@ -20,8 +20,8 @@ from memfit.errors import EstimateError
 __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
-           "FakeTensorMode", "fast_cache_keys", "grad_scaler_tensors", "held_by", "import_dynamo",
-           "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
+           "FakeTensorMode", "fast_cache_keys", "function_modes", "function_modes_again", "grad_scaler_tensors",
+           "held_by", "import_dynamo", "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
            "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
            "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
            "unset_fake_temporarily"]
@@ -172,6 +172,32 @@ def fast_cache_keys(mode: FakeTensorMode) -> None:
 _FAST_KEY = object()
 _KEYED_AS_THEY_ARE = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
                                 torch.memory_format})
+
+
+def function_modes() -> list:
+    """The TorchFunctionModes active here, innermost last."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+@contextlib.contextmanager
+def function_modes_again(modes: list):
+    """Push `modes` (from `function_modes`) back onto the stack for a while, without their own __enter__ hooks.
+    torch.utils.checkpoint recomputes a block from backward, where the autograd engine has dropped every
+    TorchFunctionMode (dispatch modes stay): memfit's (the MoE router's value formatting, LayerDrop draws,
+    CUDA attention) must see the recomputation as they saw the forward."""
+    from torch.overrides import TorchFunctionMode
+
+    pushed = []
+    try:
+        for mode in modes:
+            TorchFunctionMode.__enter__(mode)
+            pushed.append(mode)
+        yield
+    finally:
+        for mode in reversed(pushed):
+            TorchFunctionMode.__exit__(mode, None, None, None)
 
 
 def detach_sharing_version(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext,
 from memfit.config import ConfigError
 from memfit.strategies.offload import host_side
 from memfit.torch_internals import (DEVICE_QUERY, FakeTensor, TorchDispatchMode, answer_device_query,
-                                    detach_sharing_version, storage_key, tensor_version, tree_leaves)
+                                    detach_sharing_version, function_modes, function_modes_again, storage_key,
+                                    tensor_version, tree_leaves)
 
 # Ops whose outputs selective checkpointing keeps: recomputing them costs real FLOPs.
 _SAVE = {
@@ -212,7 +213,8 @@ def _contexts(selective: bool, traced: bool):
     checkpoint() takes beside it (both are held by the recomputation's closure until the block's backward
     has run). That copy is made outside the dispatcher; in a fake trace the recompute context holds a
     stand-in of its size, made in host memory, so that the trace counts the copy where the step keeps it
-    (the device, for a CPU target; the host, for a GPU one)."""
+    (the device, for a CPU target; the host, for a GPU one). The recompute runs under the TorchFunctionModes
+    the forward ran under, which the autograd engine drops (`function_modes_again`)."""
     if selective:
         kept: dict = {}
         forward, recompute = _Keep(kept), _Reuse(kept)
@@ -221,7 +223,23 @@ def _contexts(selective: bool, traced: bool):
     if traced:
         with host_side():
             recompute.rng_state_copy = torch.empty(_rng_state_bytes(), dtype=torch.uint8)
-    return forward, recompute
+    return forward, _Recompute(recompute, function_modes())
+
+
+class _Recompute:
+    """A block's recompute context: `inner` under the function modes its forward saw."""
+
+    def __init__(self, inner, modes: list):
+        self.inner, self.modes, self._stack = inner, modes, None
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(function_modes_again(self.modes))
+        self._stack.enter_context(self.inner)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
