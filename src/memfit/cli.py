@@ -336,9 +336,7 @@ def cmd_train(args) -> int:
                                         debug=args.debug)
         if failure:
             from memfit.runtime.checkpoints import intact
-            where = intact(args.out)
-            resume = "" if where.startswith("no checkpoint") else " (the same command with --resume goes on from it)"
-            raise RunError(f"{failure}; {where}{resume}")
+            raise RunError(f"{failure}; {intact(args.out, ' (the same command with --resume goes on from it)')}")
         return 0
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,

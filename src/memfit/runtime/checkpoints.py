@@ -520,12 +520,14 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[0] if found else None
 
 
-def intact(run_dir: str | os.PathLike) -> str:
-    """Which checkpoint a failure leaves to resume from, checked (checksum and all), as a clause."""
+def intact(run_dir: str | os.PathLike, resume_hint: str = "") -> str:
+    """Which checkpoint a failure leaves to resume from, checked (checksum and all), as a clause; `resume_hint`
+    is added where there is one."""
     path = latest_checkpoint(run_dir)
     if path is None:
         return "no checkpoint of this run exists yet"
-    return f"the checkpoint of step {next(s for s, p in list_checkpoints(run_dir) if p == path)} is intact"
+    step = next(s for s, p in list_checkpoints(run_dir) if p == path)
+    return f"the checkpoint of step {step} is intact{resume_hint}"
 
 
 def load_latest(run_dir: str | os.PathLike, hash_shards: bool = True) -> tuple[Path, dict] | None:
