@@ -116,20 +116,35 @@ def test_gpu_target_attention_with_dropout_keeps_output_and_logsumexp():
     assert gpu.flops == est[0.0, "h100"].flops
 
 
-@pytest.mark.parametrize("checkpoint", ["all", "selective"])
+@pytest.mark.parametrize("checkpoint", ["all", "selective", "transformers"])
 def test_a_recomputed_block_traces_cudas_attention_as_its_forward_did(checkpoint):
     """torch.utils.checkpoint recomputes a block from backward, where the autograd engine has dropped every
     TorchFunctionMode, the one that traces CUDA's attention kernels with them: BERT's attention with dropout
     was recomputed on the CPU's math path, whose saved tensors differ from the forward's, and checkpoint()
     refused the step (CheckpointError), fake and measured alike. The recompute now runs under the forward's
-    function modes."""
+    function modes, with memfit's checkpointing and with transformers' own (gradient_checkpointing_enable(),
+    which checkpoints the same layers: the same estimate as memfit's "all")."""
     pytest.importorskip("transformers")
+    import dataclasses
+
     from memfit.workloads import builtin
 
     wl = builtin("hf:bert")
     plain = memfit.estimate(wl, Config(micro_batch=2, precision="bf16"), device="h100")
-    est = memfit.estimate(wl, Config(micro_batch=2, precision="bf16", activation_checkpoint=checkpoint),
-                          device="h100")
+    if checkpoint == "transformers":
+        def model():
+            m = wl.model()
+            m.gradient_checkpointing_enable()
+            return m
+
+        est = memfit.estimate(dataclasses.replace(wl, model=model), Config(micro_batch=2, precision="bf16"),
+                              device="h100")
+        memfits = memfit.estimate(wl, Config(micro_batch=2, precision="bf16", activation_checkpoint="all"),
+                                  device="h100")
+        assert est.peak_bytes == memfits.peak_bytes and est.breakdown == memfits.breakdown
+    else:
+        est = memfit.estimate(wl, Config(micro_batch=2, precision="bf16", activation_checkpoint=checkpoint),
+                              device="h100")
     assert est.method == plain.method == "fake"
     assert est.breakdown["activations"] < plain.breakdown["activations"]
 

@@ -185,8 +185,9 @@ def test_naflex_images_are_patch_sequences_and_siglip2_matches_the_profiler():
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():
     """transformers skips an attention mask of all ones after reading it, which it cannot do on fake tensors;
     with its gradient checkpointing the mask it built instead sat at the peak (+0.9% fp32, +2.6% fp16 on
-    this BERT at seq 256). What remains unseen is the CPU RNG state torch.utils.checkpoint keeps per
-    checkpointed layer (made outside the dispatcher)."""
+    this BERT at seq 256). torch.utils.checkpoint's copies of the CPU RNG state (one per checkpointed layer
+    until its backward, one more while a layer is recomputed) are made outside the dispatcher: the trace holds
+    stand-ins for them, as for memfit's checkpointing (5,056 bytes low before, the peak being in a recompute)."""
     base = builtin("hf:bert", seq=128)
 
     def model():
@@ -197,9 +198,8 @@ def test_transformers_own_gradient_checkpointing_matches_the_profiler():
     wl = dataclasses.replace(base, model=model)
     cfg = Config(micro_batch=4)
     est = memfit.estimate(wl, cfg)
-    truth = real_step_peak(wl, cfg)
-    layers = transformers.AutoConfig.for_model("bert", **hf.SMALL_CONFIGS["bert"]).num_hidden_layers
-    assert 0 <= truth - est.peak_bytes <= layers * torch.get_rng_state().numel(), (est.peak_bytes, truth)
+    assert est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=1e-4)
+    assert est.peak_bytes == memfit.estimate(base, Config(micro_batch=4, activation_checkpoint="all")).peak_bytes
 
 
 def test_a_gpu_estimate_says_it_traced_the_reference_path_of_fused_kernel_packages():

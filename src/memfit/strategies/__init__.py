@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memfit.config import Config
-from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks, replay_model_checkpointing
 from memfit.strategies.base_4bit import apply_base_4bit, check_base_4bit
 from memfit.strategies.data_parallel import apply_data_parallel, data_parallel_buffers
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
@@ -27,11 +27,12 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
     """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. activation checkpointing of
-    repeated blocks, 4. data parallelism. Everything that can fail is resolved first, so a bad configuration
+    repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data parallelism. Everything that can fail is resolved first, so a bad configuration
     leaves the model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
-    model = apply_checkpointing(model, blocks, selective=config.activation_checkpoint == "selective")
+    model = apply_checkpointing(replay_model_checkpointing(model), blocks,
+                                selective=config.activation_checkpoint == "selective")
     return apply_data_parallel(model, config, device)

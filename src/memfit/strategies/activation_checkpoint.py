@@ -8,7 +8,8 @@ and recomputes only the cheap pointwise ops around them; a kept output goes to t
 computes the same op on the same values (`_Names`), so a block may run its ops a different number of
 times when recomputed. checkpoint() also keeps a copy of the CPU RNG state (5,056 bytes) per checkpointed
 block call until the recomputation, made outside the dispatcher where no dispatch mode sees it; a fake trace
-holds a stand-in of that size for as long (`_contexts`).
+holds a stand-in of that size for as long (`_Replay`, which also serves a model's own checkpointing:
+transformers' gradient_checkpointing_enable()).
 """
 from __future__ import annotations
 
@@ -208,45 +209,66 @@ def _rng_state_bytes() -> int:
     return torch.get_rng_state().numel()
 
 
-def _contexts(selective: bool, traced: bool):
-    """checkpoint()'s context_fn. Its recompute context lives exactly as long as the copy of the CPU RNG state
-    checkpoint() takes beside it (both are held by the recomputation's closure until the block's backward
-    has run). That copy is made outside the dispatcher; in a fake trace the recompute context holds a
-    stand-in of its size, made in host memory, so that the trace counts the copy where the step keeps it
-    (the device, for a CPU target; the host, for a GPU one). The recompute runs under the TorchFunctionModes
-    the forward ran under, which the autograd engine drops (`function_modes_again`)."""
+def _contexts(selective: bool):
+    """checkpoint()'s context_fn: selective checkpointing's pair of dispatch modes, or none."""
     if selective:
         kept: dict = {}
-        forward, recompute = _Keep(kept), _Reuse(kept)
-    else:
-        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
-    if traced:
-        with host_side():
-            recompute.rng_state_copy = torch.empty(_rng_state_bytes(), dtype=torch.uint8)
-    return forward, _Recompute(recompute, function_modes())
+        return _Keep(kept), _Reuse(kept)
+    return contextlib.nullcontext(), contextlib.nullcontext()
 
 
-class _Recompute:
-    """A block's recompute context: `inner` under the function modes its forward saw."""
+class _Replay:
+    """A checkpointed function whose recomputation runs as its forward did. The autograd engine runs the
+    recomputation without the forward's TorchFunctionModes (dispatch modes stay), so they are pushed again:
+    memfit's MoE router formatting, LayerDrop draws and CUDA attention must see the same block twice.
+    checkpoint() also copies the CPU RNG state outside the dispatcher, where a fake trace does not see it: once
+    beside the function, kept until the block's backward has run, and once more while the block is recomputed
+    (fork_rng keeps the state it restores after). In a fake trace this object holds stand-ins of that size for
+    as long, made in host memory, so that the trace counts the copies where the step keeps them (the device,
+    for a CPU target; the host, for a GPU one)."""
 
-    def __init__(self, inner, modes: list):
-        self.inner, self.modes, self._stack = inner, modes, None
+    def __init__(self, function, args, kwargs, preserve_rng_state: bool):
+        self.function, self.modes, self.calls = function, function_modes(), 0
+        self.copies = preserve_rng_state and any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs)))
+        self.rng_state_copy = self._rng_state_copy()
 
-    def __enter__(self):
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(function_modes_again(self.modes))
-        self._stack.enter_context(self.inner)
-        return self
+    def _rng_state_copy(self):
+        if self.copies:
+            with host_side():
+                return torch.empty(_rng_state_bytes(), dtype=torch.uint8)
 
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:  # the forward
+            return self.function(*args, **kwargs)
+        forked = self._rng_state_copy()  # noqa: F841 (held while the block is recomputed)
+        with function_modes_again(self.modes):
+            return self.function(*args, **kwargs)
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
     args, kwargs = _without_cache(forward, args, kwargs)
-    traced = any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs)))
-    return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=functools.partial(_contexts, selective, traced), **kwargs)
+    return checkpoint(_Replay(forward, args, kwargs, preserve_rng_state=True), *args, use_reentrant=False,
+                      context_fn=functools.partial(_contexts, selective), **kwargs)
+
+
+def _their_checkpoint(checkpoint_fn, function, *args, **kwargs):
+    """A model's own checkpoint function (transformers' `_gradient_checkpointing_func`: torch's checkpoint
+    with the model's keywords, reentrant or not), given a `_Replay` of the function it checkpoints."""
+    keywords = {**getattr(checkpoint_fn, "keywords", {}), **kwargs}
+    replay = _Replay(function, args, kwargs, preserve_rng_state=keywords.get("preserve_rng_state", True))
+    return checkpoint_fn(replay, *args, **kwargs)
+
+
+def replay_model_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' gradient_checkpointing_enable() gives each layer a checkpoint function of its own: wrap
+    each (once) so that its recomputation replays the forward as memfit's checkpointing does (`_Replay`).
+    Without it a GPU-target trace recomputed attention with dropout on the CPU's math path and raised."""
+    for mod in model.modules():
+        fn = vars(mod).get("_gradient_checkpointing_func")
+        if callable(fn) and not (isinstance(fn, functools.partial) and fn.func is _their_checkpoint):
+            mod._gradient_checkpointing_func = functools.partial(_their_checkpoint, fn)
+    return model
 
 
 def apply_checkpointing(model: torch.nn.Module, names: list[str], selective: bool) -> torch.nn.Module:
