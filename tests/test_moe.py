@@ -200,6 +200,25 @@ def test_transformers_loop_experts_follow_the_assumed_routing(tmp_path):
     assert bound > est.peak_bytes and bound == measured_peak(wl, cfg, Forced(ROUTINGS[est.routing["bound_routing"]]))
 
 
+def test_a_checkpointed_switch_transformer_converting_its_router_in_the_forward_traces_on_fake(tmp_path):
+    """Its router calls `self.classifier.to(dtype)` in every forward, which swaps fake parameters: the
+    recomputed swap poisoned the forward's gradient accumulator and the estimate fell back to real steps
+    (torch_internals.keep_tensors_on_unchanged_conversion)."""
+    transformers = pytest.importorskip("transformers")
+    from memfit.workloads import hf
+
+    cfg = transformers.AutoConfig.for_model("switch_transformers", d_model=64, d_kv=16, d_ff=128, num_heads=4,
+                                            num_layers=2, num_decoder_layers=2, num_sparse_encoder_layers=2,
+                                            num_sparse_decoder_layers=2, num_experts=4, vocab_size=1000)
+    assert cfg.encoder_sparse_step == cfg.decoder_sparse_step == 1  # every layer routes
+    wl = hf.from_config(cfg, seq=16, name="hf:switch_transformers")
+    cfg = Config(micro_batch=2, activation_checkpoint="all")
+    marker = tmp_path / "real-step"
+    est = memfit.estimate(fake_only(wl, marker), cfg)
+    assert est.method == "fake" and not marker.exists()
+    assert est.peak_bytes == measured_peak(wl, cfg, Forced(balanced))
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_transformers_default_experts_trace_once_whatever_the_routing(model_type):
     """transformers' default grouped_mm experts size every tensor by tokens x k: no assumption is needed

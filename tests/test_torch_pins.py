@@ -28,6 +28,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
     pinned |= {"fast_cache_keys"}  # a fifth of every op's cost
     pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
+    pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
     assert set(ti.__all__) == pinned
 
 
@@ -188,6 +189,38 @@ def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
         layer.to(torch.float64)
         assert is_fake(layer.weight) and layer.weight.dtype == torch.float64
         assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.requires_grad
+
+
+def test_an_unchanged_conversion_swaps_fake_parameters_unless_the_model_keeps_them():
+    """torch swaps a fake parameter on `.to()` even when nothing changes; once the graph uses it the swap
+    poisons its gradient accumulator and backward raises (a recomputed block of switch_transformers converts its router in its forward). If the first half
+    starts to pass, torch stopped swapping and the shim can go."""
+    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+    ti.make_op_outputs_swappable(mode)
+    with mode:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+        loss = model(torch.randn(4, 3)).sum()
+        model[0].to(torch.float32)
+        with pytest.raises(RuntimeError, match="poisoned by swap_tensors"):
+            loss.backward()
+
+        model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
+        ti.keep_tensors_on_unchanged_conversion(model)
+        weight = model[0].weight
+        loss = model(torch.randn(4, 3)).sum()
+        assert model[0].to(torch.float32) is model[0] and model[0].weight is weight
+        model.float()
+        loss.backward()
+        assert model[0].weight.grad.shape == (5, 3)
+        del loss, weight
+        for p in model.parameters():
+            p.grad = None
+        model[1].to(torch.float64)  # a conversion that changes something is torch's, as before
+        assert model[1].weight.dtype == torch.float64 and model[0].weight.dtype == torch.float32
+        assert isinstance(model[1].weight, torch.nn.Parameter) and is_fake(model[1].weight)
+    real = torch.nn.Linear(3, 5)
+    ti.keep_tensors_on_unchanged_conversion(real)
+    assert "_apply" not in vars(real)  # real parameters are never swapped: left alone
 
 
 def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_torch():

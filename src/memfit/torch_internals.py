@@ -7,6 +7,7 @@ benchmarks) imports a private torch module or reads a private attribute.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
@@ -21,7 +22,7 @@ __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "D
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
            "FakeTensorMode", "fast_cache_keys", "function_modes", "function_modes_again", "grad_scaler_tensors",
-           "held_by", "import_dynamo", "make_op_outputs_swappable", "memory_history", "memory_snapshot",
+           "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable", "memory_history", "memory_snapshot",
            "memory_viz", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
            "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version", "TorchDispatchMode",
            "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
@@ -110,6 +111,29 @@ def ddp_bucket_assignment(params: list[torch.Tensor], bucket_cap_bytes: int) -> 
     import torch.distributed as dist
 
     return dist._compute_bucket_assignment_by_size(params, [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes])[0]
+
+
+def keep_tensors_on_unchanged_conversion(model: torch.nn.Module) -> None:
+    """torch's `Module._apply` (behind `.to()`, `.float()`) swaps every fake parameter for a new one
+    (`swap_tensors`), even when the conversion hands it back unchanged; a real one takes `.data =`, which
+    changes nothing then. A parameter the autograd graph already uses cannot be swapped ("Couldn't swap"),
+    or its gradient accumulator is poisoned and backward raises: a model that converts a submodule in its
+    forward (switch_transformers' router: `self.classifier.to(dtype)`) could not be checkpointed on fake
+    tensors. Where torch would swap (fake parameters, wrapper subclasses such as DTensor), each module of
+    `model` gets an `_apply` that returns at once when the conversion changes none of its tensors."""
+    if not any(isinstance(p, FakeTensor) or is_traceable_wrapper_subclass(p) for p in model.parameters()):
+        return
+    for module in model.modules():
+        module._apply = functools.partial(_apply_unless_unchanged, module)
+
+
+def _apply_unless_unchanged(module: torch.nn.Module, fn, recurse: bool = True):
+    with torch.no_grad():
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        tensors += [p.grad for p in module.parameters(recurse=recurse) if p.grad is not None]
+        if all(fn(t) is t for t in tensors):
+            return module
+    return type(module)._apply(module, fn, recurse)
 
 
 def make_op_outputs_swappable(mode: FakeTensorMode) -> None:

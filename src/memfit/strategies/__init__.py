@@ -19,6 +19,7 @@ from memfit.strategies.optimizer_8bit import eight_bit
 from memfit.strategies.optimizer_in_backward import OptimizerInBackward
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
+from memfit.torch_internals import keep_tensors_on_unchanged_conversion
 
 __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "apply_model_strategies", "autocast_context",
            "cast_inputs", "check_precision", "data_parallel_buffers", "eight_bit", "host_side", "make_grad_scaler",
@@ -35,4 +36,6 @@ def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch
     model = cast_model(model, config)
     model = apply_checkpointing(replay_model_checkpointing(model), blocks,
                                 selective=config.activation_checkpoint == "selective")
-    return apply_data_parallel(model, config, device)
+    model = apply_data_parallel(model, config, device)
+    keep_tensors_on_unchanged_conversion(model)  # a fake model's `.to()` in its forward
+    return model
