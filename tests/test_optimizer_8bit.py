@@ -31,6 +31,13 @@ def test_every_value_is_kept_within_one_grid_step(dtype):
     tiny = torch.zeros(BLOCK)
     tiny[0], tiny[1] = 1.0, 2.0 ** (-40)  # below the grid's range under its block's largest: zero
     assert dequantize(*quantize(tiny, dtype))[1] == 0
+    # rows are blocked on their own (each ends in its own short block): a row's codes are the same alone
+    rows = torch.stack([x, x.flip(0) * 3])
+    codes, scales = quantize(rows, dtype)
+    assert codes.shape == rows.shape and scales.shape == (2, 4)
+    for row, c, sc in zip(rows, codes, scales):
+        assert all(torch.equal(a, b) for a, b in zip((c, sc), quantize(row, dtype)))
+    assert torch.equal(dequantize(codes, scales)[1], dequantize(codes[1], scales[1]))
 
 
 def test_tensors_under_the_threshold_step_exactly_as_torch_adamw():
@@ -68,7 +75,7 @@ def test_it_learns_as_adamw_does_on_a_transformers_model():
     assert all(b < a for a, b in zip(quantized, quantized[1:]))
     # each moment is rounded by at most 2.2% a step: the progress made is AdamW's to a few percent
     assert abs(quantized[-1] - plain[-1]) <= 0.05 * (plain[0] - plain[-1])
-    big = [p for p in step.model.parameters() if p.numel() >= MIN_SIZE]
+    big = [p for p in step.model.parameters() if p.numel() >= MIN_SIZE and p.dim() > 1]
     assert big and all(step.optimizer.state[p]["exp_avg_sq"].dtype == torch.uint8 for p in big)
 
 
@@ -78,8 +85,10 @@ def test_state_bytes_follow_the_layout_and_the_estimate_equals_the_profiler(name
     config = Config(micro_batch=4, optimizer_8bit=True)
     est = memfit.estimate(wl, config, device="cpu")
     with torch.device("meta"):
-        sizes = [p.numel() for p in wl.model().parameters()]
-    layout = sum(2 * n + 8 * math.ceil(n / BLOCK) if n >= MIN_SIZE else 8 * n for n in sizes)
+        shapes = [p.shape for p in wl.model().parameters()]
+    # codes for each element, a scale per block of each row; fp32 moments for small or one-dimensional tensors
+    layout = sum(2 * math.prod(s) + 8 * s[0] * math.ceil(math.prod(s[1:]) / BLOCK)
+                 if len(s) > 1 and math.prod(s) >= MIN_SIZE else 8 * math.prod(s) for s in shapes)
     assert est.model_state_bytes["optimizer_state"] == layout
     assert est.peak_bytes == pytest.approx(real_step_peak(wl, config), rel=0.01)
 
@@ -90,8 +99,6 @@ def test_what_it_cannot_do_is_refused():
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     with pytest.raises(memfit.MemfitError, match="Adam and AdamW; the workload's optimizer is SGD"):
         memfit.estimate(sgd, Config(optimizer_8bit=True))
-    with pytest.raises(memfit.MemfitError, match="FSDP"):
-        Config(optimizer_8bit=True, gpus=2, data_parallel="fsdp")
     with pytest.raises(memfit.MemfitError, match="cannot allow 4bit"):
         plan(wl, 8, allow=["4bit"])
 
@@ -114,3 +121,47 @@ def test_a_resumed_bf16_pure_run_ends_bit_identical(tmp_path):
     whole, resumed = whole_and_resumed(tmp_path, wl, config)
     assert resumed.config.optimizer_8bit
     assert (whole.out / "model.safetensors").read_bytes() == (resumed.out / "model.safetensors").read_bytes()
+
+
+def test_on_fsdp_ranks_the_state_is_sharded_with_the_rows_and_trains_and_resumes_as_one_process(tmp_path):
+    """Blocks follow rows, so two FSDP ranks hold whole blocks of their rows: the same moments as one process
+    (the Net's 100-row and 48-wide matrices: flat blocks would straddle the shard's edge), codes and scales
+    sharded as the parameter (DTensors), and a checkpoint the ranks write with DCP resumes in one process
+    exactly. A gradient reduced in another order can put a moment on the other side of a grid step: that
+    weight then differs by a fraction of its updates (at most lr a step), all others by float sums alone."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit.runtime import checkpoints as ckpt
+    from memfit.runtime.trainer import Trainer
+    from test_data_parallel import WORKLOAD, _lowest_rank_peak
+    from truth import on_gloo_ranks
+
+    steps, lr = 2, 1e-3  # WORKLOAD's AdamW
+    one = Trainer(WORKLOAD, Config(micro_batch=4, grad_accum=4, optimizer_8bit=True), seed=0, global_batch=16)
+    one_losses = [one.step() for _ in range(steps)]
+    one_weights = {n: p.detach().clone() for n, p in one.model.named_parameters()}
+    one_losses.append(one.step())
+    cfg = Config(micro_batch=4, grad_accum=2, gpus=2, data_parallel="fsdp", optimizer_8bit=True)
+
+    def on_rank(rank):
+        trainer = Trainer(WORKLOAD, cfg, seed=0, global_batch=16)
+        losses = [trainer.step() for _ in range(steps)]
+        sharded = {k: isinstance(v, DTensor) and v.placements == p.placements
+                   for p, s in trainer.optimizer.state.items() for k, v in s.items() if isinstance(v, torch.Tensor)}
+        path = ckpt.save_sharded(tmp_path, steps, model=trainer.model, optimizer=trainer.optimizer, config=cfg)
+        weights = {n: p.full_tensor().detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+        return str(path), losses + [trainer.step()], weights, sharded
+
+    for path, losses, weights, sharded in on_gloo_ranks(2, on_rank):
+        assert "exp_avg_scale" in sharded and all(sharded.values())
+        assert losses == pytest.approx(one_losses, rel=1e-5)
+    state = ckpt.load_checkpoint(path)
+    diffs = torch.cat([(torch.from_numpy(weights[n]) - w).abs().flatten() for n, w in one_weights.items()])
+    assert (diffs > 1e-5).float().mean() <= 1e-3 and diffs.max() <= steps * lr
+    resumed = Trainer(WORKLOAD, Config(micro_batch=4, grad_accum=4, optimizer_8bit=True), seed=0, global_batch=16)
+    ckpt.restore(state, model=resumed.model, optimizer=resumed.optimizer, path=path)
+    resumed.step_count = steps
+    assert resumed.step() == pytest.approx(losses[-1], rel=1e-5)
+    fsdp = cfg.replace(micro_batch=8, grad_accum=1)
+    est = memfit.estimate(WORKLOAD, fsdp)
+    assert est.peak_bytes == pytest.approx(_lowest_rank_peak(WORKLOAD, fsdp, est.peak_bytes), rel=0.01)

@@ -126,8 +126,6 @@ class Config:
             raise ConfigError("fp16 loss scaling across ranks is not supported yet: use bf16 with data_parallel")
         if layout != "none" and (self.offload_optimizer or self.offload_activations):
             raise ConfigError("offload with data_parallel is not supported yet")
-        if self.fsdp and self.optimizer_8bit:
-            raise ConfigError("8-bit optimizer states on FSDP's sharded parameters are not built yet: use ddp")
 
     @property
     def global_batch(self) -> int:

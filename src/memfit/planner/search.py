@@ -439,7 +439,6 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         variants += [("bf16-pure", act, opt) for act, opt in offloads]
     eights = (False, True) if "8bit-optim" in allowed else (False,)
     fours = (False, True) if "qlora" in allowed and adapted else (False,)
-    fsdp = ("fsdp", "fsdp-no-reshard", "hsdp")
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt, optimizer_8bit=eight, base_4bit=four, loss_chunks=chunks, gpus=gpus,
                     data_parallel=layout, gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
@@ -448,12 +447,11 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
              # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
              for chunks in ((1, LOSS_CHUNKS) if ck == "all" else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and activation_checkpoint is None)
-             and not (eight and layout in fsdp)]
+             if not (act and ck != "none" and activation_checkpoint is None)]
     if "8bit-optim" in allowed:
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
-                     "instead of 8; not with FSDP's sharded parameters yet")
+                     "instead of 8")
     if "qlora" in allowed and adapted:
         notes.append("4-bit base weights allowed (they change the math): the frozen Linear layers in NF4 with double "
                      "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight")

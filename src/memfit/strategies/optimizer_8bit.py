@@ -4,9 +4,14 @@ moments instead of 8.
 
 A code is a step on a logarithmic grid below its block's largest magnitude (eighth-octave steps, so every
 value is kept within 4.4%): small values keep their scale where a linear code would flush them to zero, and
-the second moment spans many orders of magnitude in one block. Tensors under 4,096 elements keep fp32
-moments, as bitsandbytes does (`min_8bit_size`); their update is torch's own AdamW formula. The update runs
-CHUNK elements at a time, so each fp32 temporary stays within 64 MiB whatever the parameter's size.
+the second moment spans many orders of magnitude in one block. Blocks run along each row of dim 0 (a row of
+any other width ends in a shorter block): FSDP shards parameters by rows, so every rank holds whole blocks,
+and the moments, their rounding and the checkpoint (codes and scales sharded as the parameter is, resharded
+by DCP) are the same for any number of ranks. Where rows are multiples of 256 elements (a transformer's
+matrices) this is bitsandbytes' flat layout exactly. Tensors under 4,096 elements, and one-dimensional ones
+(norms, biases: their blocks could not follow a shard's edge), keep fp32 moments, as bitsandbytes keeps those
+under its `min_8bit_size`; their update is torch's own AdamW formula. The update runs about CHUNK elements
+(whole rows) at a time, so each fp32 temporary stays near 64 MiB whatever the parameter's size.
 
 This changes the math (each moment is rounded after every step): memfit uses it only when it is allowed
 (`Config.optimizer_8bit`; the planner's ``allow=("8bit-optim",)``) and says so wherever it is used. It is
@@ -19,39 +24,57 @@ import math
 from typing import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from memfit.errors import ConfigError
 
 BLOCK = 256         # elements sharing one fp32 scale
 MIN_SIZE = 4096     # smaller tensors keep fp32 moments
-CHUNK = 1 << 24     # elements updated at once (a multiple of BLOCK): 64 MiB per fp32 temporary
+CHUNK = 1 << 24     # elements updated at once (whole rows; one row where a row is longer): 64 MiB per fp32 temporary
 STEPS = 8           # codes per octave
 TOP = {torch.uint8: 255, torch.int8: 127}  # the largest code: the block's largest magnitude
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D fp32 `x` -> (codes of `dtype`, one fp32 scale per BLOCK elements). uint8 for values >= 0, int8
-    (sign times code) for signed ones; code 0 is zero."""
-    top = TOP[dtype]
-    pad = (-x.numel()) % BLOCK
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK) if pad else x.view(-1, BLOCK)
-    scale = blocks.abs().amax(dim=1)
-    rel = blocks.abs() / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    """fp32 `x` -> (codes of `dtype` shaped as `x`, fp32 scales: one per BLOCK elements of each row of the last
+    dim, the last block of a row shorter). uint8 for values >= 0, int8 (sign times code) for signed ones;
+    code 0 is zero."""
+    top, width = TOP[dtype], x.shape[-1]
+    pad = (-width) % BLOCK
+    blocks = (torch.nn.functional.pad(x, (0, pad)) if pad else x).view(*x.shape[:-1], -1, BLOCK)
+    scale = blocks.abs().amax(dim=-1)
+    rel = blocks.abs() / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
     k = rel.log2_().mul_(STEPS).add_(top).round_().clamp_(0, top)  # log2(0) = -inf -> code 0
     if dtype == torch.int8:
         k.mul_(blocks.sign())
-    return k.view(-1)[:x.numel()].to(dtype), scale
+    return k.view(*x.shape[:-1], -1)[..., :width].to(dtype), scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`quantize`'s inverse on the grid: fp32 values of the 1-D `codes`."""
-    top = TOP[codes.dtype]
+    """`quantize`'s inverse on the grid: fp32 values shaped as `codes`."""
+    top, width = TOP[codes.dtype], codes.shape[-1]
     k = codes.float()
-    n = codes.numel()
-    pad = (-n) % BLOCK
+    pad = (-width) % BLOCK
     k = torch.nn.functional.pad(k, (0, pad)) if pad else k
-    mag = k.abs().sub_(top).div_(STEPS).exp2_().view(-1, BLOCK).mul_(scale[:, None]).view(-1)[:n]
-    return mag.mul_(k[:n].sign())  # zero codes give zero; int8 codes carry the sign
+    mag = k.abs().sub_(top).div_(STEPS).exp2_().view(*scale.shape, BLOCK).mul_(scale[..., None])
+    mag = mag.view(*codes.shape[:-1], -1)[..., :width]
+    return mag.mul_(k[..., :width].sign())  # zero codes give zero; int8 codes carry the sign
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a DTensor (FSDP's sharded parameters, their gradients and state); a plain
+    tensor is its own."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _state_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local`, the rank's rows of a 2-D state tensor, as a DTensor sharded as `p` is (so DCP saves and
+    reshards it), for a sharded `p`; else as it is."""
+    if not isinstance(p, DTensor):
+        return local
+    rows, width = p.shape[0], local.shape[1]
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=(rows, width),
+                              stride=(width, 1))
 
 
 class Adam8bit(torch.optim.Optimizer):
@@ -76,43 +99,48 @@ class Adam8bit(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
+        state, local = self.state[p], _local(p)
+        rows, width = local.shape[0] if local.dim() else 1, math.prod(p.shape[1:])
         if not state:
             state["step"] = 0
-            if p.numel() < MIN_SIZE:
+            if p.dim() < 2 or p.numel() < MIN_SIZE:
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             else:
-                blocks = -(-p.numel() // BLOCK)
-                state["exp_avg"] = torch.zeros(p.numel(), dtype=torch.int8, device=p.device)
-                state["exp_avg_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
-                state["exp_avg_sq_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                blocks = -(-width // BLOCK)
+                for key, dtype, n in (("exp_avg", torch.int8, width), ("exp_avg_scale", torch.float32, blocks),
+                                      ("exp_avg_sq", torch.uint8, width), ("exp_avg_sq_scale", torch.float32, blocks)):
+                    state[key] = _state_like(p, torch.zeros(rows, n, dtype=dtype, device=local.device))
         state["step"] += 1
-        flat, grad = p.view(-1), p.grad.reshape(-1)
+        grad = _local(p.grad)
         if "exp_avg_scale" not in state:
-            _adam(flat, grad, state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), group, state["step"])
+            _adam(local.view(-1), grad.reshape(-1), _local(state["exp_avg"]).view(-1),
+                  _local(state["exp_avg_sq"]).view(-1), group, state["step"])
             return
-        m, ms, v, vs = (state[k] for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
-        for start in range(0, flat.numel(), CHUNK):
-            end, b0, b1 = min(start + CHUNK, flat.numel()), start // BLOCK, -(-min(start + CHUNK, flat.numel()) // BLOCK)
-            mean, square = dequantize(m[start:end], ms[b0:b1]), dequantize(v[start:end], vs[b0:b1])
-            _adam(flat[start:end], grad[start:end], mean, square, group, state["step"])
+        weights, grad = local.view(rows, width), grad.reshape(rows, width)
+        m, ms, v, vs = (_local(state[k]) for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
+        chunk = max(1, CHUNK // width)  # rows at a time
+        for r0 in range(0, rows, chunk):
+            r1 = min(r0 + chunk, rows)
+            mean, square = dequantize(m[r0:r1], ms[r0:r1]), dequantize(v[r0:r1], vs[r0:r1])
+            _adam(weights[r0:r1], grad[r0:r1], mean, square, group, state["step"])
             for codes, scales, values in ((m, ms, mean), (v, vs, square)):
                 new_codes, new_scales = quantize(values, codes.dtype)
-                codes[start:end], scales[b0:b1] = new_codes, new_scales
+                codes[r0:r1], scales[r0:r1] = new_codes, new_scales
                 del new_codes, new_scales
             del mean, square
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts floating state to each parameter's dtype (a bf16 parameter's fp32 scales to
-        bf16); the saved tensors are put back as saved, so a resume is exact."""
+        bf16); the saved tensors are put back as saved, so a resume is exact. Saved parameters are named by
+        their index, or by their name in a distributed checkpoint: matched in order, as torch matches them."""
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict["state"].items():
-            for key, value in saved.items():
+        saved = [key for group in state_dict["param_groups"] for key in group["params"]]
+        params = dict(zip(saved, (p for group in self.param_groups for p in group["params"])))
+        for key, values in state_dict["state"].items():
+            for name, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    self.state[params[index]][key] = value.to(params[index].device, copy=True)
+                    self.state[params[key]][name] = value.to(params[key].device, copy=True)
 
 
 def _adam(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, group: dict,
