@@ -439,6 +439,32 @@ def test_a_fake_world_runs_fsdp2_on_fake_tensors_and_dtensors_are_held_by_their_
     assert ti.held_by(torch.ones(3))[0].shape == (3,)
 
 
+def test_a_real_world_after_a_fake_one_in_this_process_gets_its_own_mesh():
+    """DTensor caches sharding decisions process-wide, keyed by specs whose meshes compare equal across
+    worlds of the same shape; leaving a fake world empties those caches. Without that, two gloo ranks forked
+    after a fake-world FSDP2 step of the same layer both held rank 0's coordinate (and rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from truth import on_gloo_ranks
+
+    def step(mesh):
+        layer = fully_shard(torch.nn.Linear(4, 30), mesh=mesh)
+        layer(torch.ones(2, 4)).sum().backward()
+        return layer
+
+    with ti.fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with new_fake_mode():
+            step(mesh)
+
+    def on_rank(rank):
+        layer = step(init_device_mesh("cpu", (2,)))
+        return layer.weight.device_mesh.get_coordinate(), layer.weight.grad.device_mesh.get_coordinate()
+
+    assert on_gloo_ranks(2, on_rank) == [((0,), (0,)), ((1,), (1,))]
+
+
 def test_profiler_reports_the_cpu_allocators_running_total_and_recorded_ranges():
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile

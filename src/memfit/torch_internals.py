@@ -81,8 +81,13 @@ def held_by(t: torch.Tensor) -> list[torch.Tensor]:
 def fake_process_group(world_size: int, rank: int = 0):
     """This process as rank `rank` of a `world_size`-rank default process group whose collectives return
     at once with outputs of the right shapes (torch's testing backend "fake"): FSDP2 and DeviceMesh run
-    as on a real world, on fake tensors, with no other process."""
+    as on a real world, on fake tensors, with no other process. On leaving it, DTensor's process-wide
+    sharding caches (Python's and the C++ fast path's) are emptied: their entries hold the fake world's mesh,
+    which compares equal to a later real mesh of the same shape, so a real world in this process, or in a
+    process forked from it, got the fake mesh back on ops of the same shapes, with rank 0's coordinates on
+    every rank (each rank then took rank 0's rows as its own; DCP refused the checkpoint)."""
     import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
@@ -93,6 +98,7 @@ def fake_process_group(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()
 
 
 def replicate(module: torch.nn.Module, **ddp_options) -> torch.nn.Module:
