@@ -5,9 +5,10 @@ gloo's worker thread can free a collective's tensors late, which only ever adds 
 lowest rank misses the estimate by more than 1%, the configuration runs again (up to --runs times) and each
 rank keeps its lowest peak, as tests/test_data_parallel.py does.
 
-    python benchmarks/data_parallel.py [--ranks 2,4] [--only gpt-tiny,sort,hf-llama]
+    python benchmarks/data_parallel.py [--ranks 2,4] [--only gpt-tiny,sort,hf-llama] [--layouts ddp,fsdp]
+                                       [--optimizer-8bit]
 
-Results: benchmarks/results/data_parallel.json.
+Results: benchmarks/results/data_parallel.json (with --optimizer-8bit: data_parallel_8bit.json).
 """
 from __future__ import annotations
 
@@ -42,15 +43,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--only", default="gpt-tiny,sort,hf-llama")
+    ap.add_argument("--layouts", default="ddp,fsdp,fsdp-no-reshard")
+    ap.add_argument("--optimizer-8bit", action="store_true", help="AdamW's moments in 8 bits (Config.optimizer_8bit)")
     ap.add_argument("--runs", type=int, default=3, help="real runs at most, while the lowest rank misses by 1%%")
     args = ap.parse_args()
     workloads = {name: WORKLOADS[name]() for name in args.only.split(",")}
     rows = []
     for (name, wl), n, layout, precision, ck in itertools.product(
-            workloads.items(), [int(r) for r in args.ranks.split(",")], ["ddp", "fsdp", "fsdp-no-reshard"],
+            workloads.items(), [int(r) for r in args.ranks.split(",")], args.layouts.split(","),
             ["fp32", "bf16"], ["none", "all"]):
         mb = 4 if name == "hf-llama" else 8
-        cfg = Config(micro_batch=mb, gpus=n, data_parallel=layout, precision=precision, activation_checkpoint=ck)
+        cfg = Config(micro_batch=mb, gpus=n, data_parallel=layout, precision=precision, activation_checkpoint=ck,
+                     optimizer_8bit=args.optimizer_8bit)
         est = memfit.estimate(wl, cfg).peak_bytes
         peaks, runs = rank_step_peaks(wl, cfg), 1
         while runs < args.runs and abs(est / min(peaks) - 1) > 0.01:  # gloo's late frees only ever add
@@ -62,7 +66,8 @@ def main() -> None:
               f"{row['error_vs_min']:+.2%} .. {row['error_vs_max']:+.2%} ({runs} run{'s' if runs > 1 else ''})",
               flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "data_parallel.json").write_text(json.dumps(rows, indent=1))
+    name = "data_parallel_8bit.json" if args.optimizer_8bit else "data_parallel.json"
+    (RESULTS / name).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

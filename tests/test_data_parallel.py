@@ -54,6 +54,24 @@ def test_traced_sharded_state_is_the_padded_closed_form(n):
     assert state_bytes(WORKLOAD, cfg) == sharded_adamw_state(n)
 
 
+def sharded_8bit_state(n: int) -> int:
+    """With 8-bit optimizer states (strategies/optimizer_8bit.py) a rank's rows of a matrix of 4,096 elements or
+    more keep their moments as a byte each and an fp32 scale per 256 elements of a row; the rest fp32."""
+    total = 0
+    for p in Net().parameters():
+        rows, width = math.ceil(p.shape[0] / n), math.prod(p.shape[1:])
+        moments = 2 * rows * width + 8 * rows * math.ceil(width / 256) if p.dim() > 1 and p.numel() >= 4096 \
+            else 8 * rows * width
+        total += 8 * rows * width + moments
+    return total
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_traced_8bit_sharded_state_is_the_padded_closed_form(n):
+    cfg = Config(gpus=n, data_parallel="fsdp" if n > 1 else "none", optimizer_8bit=True)
+    assert state_bytes(WORKLOAD, cfg) == sharded_8bit_state(n)
+
+
 def test_per_rank_estimate_for_a_gpu_target_shards_states_and_hsdp_shards_within_a_node():
     one = memfit.estimate(WORKLOAD, Config(micro_batch=4, precision="bf16"), device="h100")
     fsdp = memfit.estimate(WORKLOAD, Config(micro_batch=4, precision="bf16", gpus=8, data_parallel="fsdp"),
