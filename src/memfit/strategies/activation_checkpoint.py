@@ -241,9 +241,12 @@ class _Replay:
         self.calls += 1
         if self.calls == 1:  # the forward
             return self.function(*args, **kwargs)
-        forked = self._rng_state_copy()  # noqa: F841 (held while the block is recomputed)
-        with function_modes_again(self.modes):
-            return self.function(*args, **kwargs)
+        forked = self._rng_state_copy()  # fork_rng's copy, held while the block is recomputed
+        try:
+            with function_modes_again(self.modes):
+                return self.function(*args, **kwargs)
+        finally:
+            del forked
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
