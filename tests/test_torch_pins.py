@@ -215,7 +215,16 @@ def test_an_unchanged_conversion_swaps_fake_parameters_unless_the_model_keeps_th
         del loss, weight
         for p in model.parameters():
             p.grad = None
-        model[1].to(torch.float64)  # a conversion that changes something is torch's, as before
+        copies = []
+
+        class Copies(ti.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                copies.extend([func] if func is torch.ops.aten._to_copy.default else [])
+                return func(*args, **(kwargs or {}))
+
+        with Copies():
+            model[1].to(torch.float64)  # a conversion that changes something is torch's, as before
+        assert len(copies) == 2  # the weight and the bias, each converted once (the check's copy is used)
         assert model[1].weight.dtype == torch.float64 and model[0].weight.dtype == torch.float32
         assert isinstance(model[1].weight, torch.nn.Parameter) and is_fake(model[1].weight)
     real = torch.nn.Linear(3, 5)

@@ -134,12 +134,20 @@ def keep_tensors_on_unchanged_conversion(model: torch.nn.Module) -> None:
 
 
 def _apply_unless_unchanged(module: torch.nn.Module, fn, recurse: bool = True):
+    memo: dict[int, tuple] = {}
+
+    def once(t):  # each tensor converted once: what the check made is what torch's _apply then swaps in
+        done = memo.get(id(t))
+        if done is None or done[0] is not t:
+            done = memo[id(t)] = (t, fn(t))
+        return done[1]
+
     with torch.no_grad():
         tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
         tensors += [p.grad for p in module.parameters(recurse=recurse) if p.grad is not None]
-        if all(fn(t) is t for t in tensors):
+        if all(once(t) is t for t in tensors):
             return module
-    return type(module)._apply(module, fn, recurse)
+    return type(module)._apply(module, once, recurse)
 
 
 def make_op_outputs_swappable(mode: FakeTensorMode) -> None:
