@@ -193,8 +193,8 @@ def test_fake_modules_move_only_once_op_outputs_are_not_memoised():
 
 def test_an_unchanged_conversion_swaps_fake_parameters_unless_the_model_keeps_them():
     """torch swaps a fake parameter on `.to()` even when nothing changes; once the graph uses it the swap
-    poisons its gradient accumulator and backward raises (a recomputed block of switch_transformers converts its router in its forward). If the first half
-    starts to pass, torch stopped swapping and the shim can go."""
+    poisons its gradient accumulator and backward raises (a recomputed block of switch_transformers converts
+    its router in its forward). If the first half starts to pass, torch stopped swapping and the shim can go."""
     mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
     ti.make_op_outputs_swappable(mode)
     with mode:

@@ -22,10 +22,10 @@ __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "D
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
            "FakeTensorMode", "fast_cache_keys", "function_modes", "function_modes_again", "grad_scaler_tensors",
-           "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable", "memory_history", "memory_snapshot",
-           "memory_viz", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
-           "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version", "TorchDispatchMode",
-           "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable",
+           "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
+           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version",
+           "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"

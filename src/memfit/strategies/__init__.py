@@ -28,8 +28,8 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
     """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. activation checkpointing of
-    repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data parallelism. Everything that can fail is resolved first, so a bad configuration
-    leaves the model untouched."""
+    repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data parallelism.
+    Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
