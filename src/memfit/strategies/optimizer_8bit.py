@@ -21,10 +21,10 @@ same state bytes (its fused kernel has no temporaries, this one's are counted as
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from memfit.errors import ConfigError
 
@@ -61,17 +61,26 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return mag.mul_(k[..., :width].sign())  # zero codes give zero; int8 codes carry the sign
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP's sharded parameters, their gradients and state). One exists only once
+    torch.distributed.tensor is loaded, which memfit does not load for this: importing it costs every
+    `import memfit` half a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own part of a DTensor (FSDP's sharded parameters, their gradients and state); a plain
-    tensor is its own."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The rank's own part of a DTensor; a plain tensor is its own."""
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _state_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local`, the rank's rows of a 2-D state tensor, as a DTensor sharded as `p` is (so DCP saves and
     reshards it), for a sharded `p`; else as it is."""
-    if not isinstance(p, DTensor):
+    if not _is_dtensor(p):
         return local
+    from torch.distributed.tensor import DTensor
+
     rows, width = p.shape[0], local.shape[1]
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=(rows, width),
                               stride=(width, 1))
