@@ -108,24 +108,23 @@ class Adam8bit(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        state, local = self.state[p], _local(p)
-        rows, width = local.shape[0] if local.dim() else 1, math.prod(p.shape[1:])
-        if not state:
-            state["step"] = 0
-            if p.dim() < 2 or p.numel() < MIN_SIZE:
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            else:
-                blocks = -(-width // BLOCK)
-                for key, dtype, n in (("exp_avg", torch.int8, width), ("exp_avg_scale", torch.float32, blocks),
-                                      ("exp_avg_sq", torch.uint8, width), ("exp_avg_sq_scale", torch.float32, blocks)):
-                    state[key] = _state_like(p, torch.zeros(rows, n, dtype=dtype, device=local.device))
-        state["step"] += 1
-        grad = _local(p.grad)
-        if "exp_avg_scale" not in state:
+        state, local, grad = self.state[p], _local(p), _local(p.grad)
+        if p.dim() < 2 or p.numel() < MIN_SIZE:  # fp32 moments
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                             exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+            state["step"] += 1
             _adam(local.view(-1), grad.reshape(-1), _local(state["exp_avg"]).view(-1),
                   _local(state["exp_avg_sq"]).view(-1), group, state["step"])
             return
+        rows, width = local.shape[0], math.prod(p.shape[1:])  # this rank's rows
+        if not state:
+            state["step"] = 0
+            blocks = -(-width // BLOCK)
+            for key, dtype, n in (("exp_avg", torch.int8, width), ("exp_avg_scale", torch.float32, blocks),
+                                  ("exp_avg_sq", torch.uint8, width), ("exp_avg_sq_scale", torch.float32, blocks)):
+                state[key] = _state_like(p, torch.zeros(rows, n, dtype=dtype, device=local.device))
+        state["step"] += 1
         weights, grad = local.view(rows, width), grad.reshape(rows, width)
         m, ms, v, vs = (_local(state[k]) for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"))
         chunk = max(1, CHUNK // width)  # rows at a time
