@@ -12,6 +12,7 @@ Checkpoint atomicity and loading on their own are tests/test_checkpoints.py; her
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import io
@@ -621,6 +622,7 @@ def planned_run(tmp_path_factory) -> Path:
     (dict(workload="mlp"), r"holds a run of workload 'mlp-tiny', not 'mlp'"),
     (dict(schedule="cosine"), r"LR schedule is constant"),
     (dict(deterministic=True), r"started without --deterministic"),
+    (dict(max_grad_norm=1.0), r"clips gradients at no norm; resuming with max_grad_norm 1.0"),
 ])
 def test_a_refused_resume_writes_nothing(planned_run, tmp_path, change, pattern):
     """Everything is checked before anything is written: plan.json, metrics, checkpoints stay as they were
@@ -630,9 +632,9 @@ def test_a_refused_resume_writes_nothing(planned_run, tmp_path, change, pattern)
     shutil.copytree(planned_run, out)
     before = snapshot(out)
     kw = dict(global_batch=8, seed=1, schedule="constant") | change
+    workload = dataclasses.replace(builtin(kw.pop("workload", "mlp-tiny")), max_grad_norm=kw.pop("max_grad_norm", None))
     with pytest.raises(RunError, match=pattern):
-        train(builtin(kw.pop("workload", "mlp-tiny")), 4, kw.pop("global_batch"), resume=True, progress=False,
-              out=out, **kw)
+        train(workload, 4, kw.pop("global_batch"), resume=True, progress=False, out=out, **kw)
     assert snapshot(out) == before
 
 

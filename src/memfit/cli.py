@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,12 +37,19 @@ def _workload(args):
     """The workload the command line names, with LoRA on it if --lora says so (its syntax checked first)."""
     from memfit.workloads import load_workload
 
-    if not args.lora:
-        return load_workload(args.workload, **_options(args))
-    from memfit.workloads.lora import lora, parse_lora
+    options = None
+    if args.lora:
+        from memfit.workloads.lora import parse_lora
 
-    options = parse_lora(args.lora)
-    return lora(load_workload(args.workload, **_options(args)), **options)
+        options = parse_lora(args.lora)
+    workload = load_workload(args.workload, **_options(args))
+    if args.max_grad_norm is not None:
+        workload = dataclasses.replace(workload, max_grad_norm=args.max_grad_norm)
+    if options is None:
+        return workload
+    from memfit.workloads.lora import lora
+
+    return lora(workload, **options)
 
 
 _LORA_HELP = ("fine-tune with LoRA (peft): base frozen, adapters trained; r=16,alpha=32,targets=q_proj,v_proj,"
@@ -51,9 +59,16 @@ _LORA_HELP = ("fine-tune with LoRA (peft): base frozen, adapters trained; r=16,a
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="built-in name (gpt-7b, resnet, mlp, hf:llama, ...) or path/to/job.py:function")
+    _add_workload_options(p)
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, help="sequence length for built-in language models")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
     p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
+    p.add_argument("--max-grad-norm", type=float, metavar="NORM",
+                   help="clip the gradients' total L2 norm to NORM before each optimizer step (default: the "
+                        "workload's own, none for built-ins)")
 
 
 _PRECISION_HELP = ("fp32; bf16 = bf16 autocast, fp32 weights; fp16 = fp16 autocast + loss scaling; "
@@ -554,9 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run training: plan, recover from OOM, checkpoint, resume, report")
     p.add_argument("workload", nargs="?", default="sort",
                    help="as for estimate; default: a small GPT learning to sort digits")
-    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
-    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
-    p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
+    _add_workload_options(p)
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to run (default: %(default)s)")
     p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step (default: %(default)s)")
     p.add_argument("--budget", help="memory budget (on a CPU: a virtual device of that size)")
@@ -588,9 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "snapshot (.pickle), or an out-of-memory message (--oom)")
     p.add_argument("target", nargs="?", help="a workload (watched for leaks) or a snapshot from "
                                              "torch.cuda.memory._dump_snapshot (.pickle)")
-    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
-    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
-    p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
+    _add_workload_options(p)
     _add_config_args(p)
     p.add_argument("--steps", type=int, default=20, help="real steps the leak finder watches (default: %(default)s)")
     p.add_argument("--oom", metavar="MESSAGE", help="a CUDA out-of-memory message to explain; with a workload and "

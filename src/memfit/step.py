@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from memfit.config import Config
-from memfit.errors import LossChunkError, WorkloadError
+from memfit.errors import ConfigError, LossChunkError, WorkloadError
 from memfit.losses import chunked_used, chunking
 from memfit.strategies import (ActivationOffload, OptimizerInBackward, OptimizerOffload, apply_model_strategies,
                                autocast_context,
@@ -52,6 +52,9 @@ class TrainStep:
             self.optimizer = self.optimizer_offload.optimizer
         else:
             self.optimizer = make_optimizer(self.model.parameters())
+        if config.optimizer_in_backward and workload.max_grad_norm is not None:
+            raise ConfigError("optimizer_in_backward updates each parameter as soon as its gradient is ready; "
+                              "clipping by the gradients' total norm (max_grad_norm) needs all of them first")
         self.in_backward = OptimizerInBackward(self.model, self.optimizer) if config.optimizer_in_backward else None
         self.scaler = make_grad_scaler(config, self.device)
         self.on_phase = on_phase or (lambda phase: None)
@@ -60,6 +63,7 @@ class TrainStep:
         self.phase = "idle"  # where the current step is: forward | backward | optimizer (OOM recovery asks)
         self.skipped_steps = 0  # fp16 steps dropped because the gradients overflowed
         self.ungraded: list[torch.Tensor] = []  # traced: trainable parameters the last step gave no gradient
+        self.grad_norm: torch.Tensor | None = None  # the last step's total gradient norm, before clipping
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Zero grads -> forward/backward per micro-batch (loss weighted by its share of the global batch)
@@ -146,6 +150,8 @@ class TrainStep:
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         if self.scaler is not None:
             out += grad_scaler_tensors(self.scaler)
+        if self.grad_norm is not None:
+            out.append(self.grad_norm)
         return out
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -159,17 +165,34 @@ class TrainStep:
         if self.in_backward is not None:  # each parameter was updated in backward (during prime: see there)
             return
         if self.optimizer_offload is not None:  # Config forbids fp16 here: no scaler to consult
-            self.optimizer_offload.step()
+            self.optimizer_offload.step(before=self._clip)
         elif scaler is None:
+            self._clip()
             opt.step()
         elif self.tracing:  # same memory as scaler.step, without the host sync that fake tensors cannot do
             scaler.unscale_(opt)
+            self._clip()
             opt.step()
             scaler.update()
         else:
             before = scaler.get_scale()
+            if self.workload.max_grad_norm is not None:  # clipped in true units; scaler.step then skips unscaling
+                scaler.unscale_(opt)
+                self._clip()
             scaler.step(opt)
             scaler.update()
             self.skipped_steps += scaler.get_scale() < before
 
-
+    def _clip(self) -> None:
+        """Scale the gradients the optimizer is about to read so that their total L2 norm is at most the
+        workload's max_grad_norm. FSDP's gradients are shards (DTensor): torch reduces their norms across
+        ranks, so every rank scales by the global norm, as one process would (a rank's own shards' norm would
+        not). An overflowed fp16 step gets a non-finite norm, and GradScaler skips that step."""
+        if self.workload.max_grad_norm is None:
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):  # a replicated DTensor: the plain tensor every rank holds
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.workload.max_grad_norm, norm)
+        self.grad_norm = norm

@@ -30,6 +30,10 @@ class Workload:
         data: optional map-style ``torch.utils.data.Dataset``: a run then draws its global batches from it
             (a seeded shuffle per epoch, items collated with torch's ``default_collate``) instead of
             ``batch``; ``batch`` still gives a batch's shape to the estimator.
+        max_grad_norm: clip the gradients before each optimizer step so that their L2 norm, taken over all
+            of them (every rank's shards together), is at most this (``torch.nn.utils.clip_grad_norm_``'s
+            math, after fp16 loss scaling is undone). None: no clipping. Part of the job's math, like the
+            optimizer: the planner keeps it and a resume must keep it.
 
     Example::
 
@@ -47,6 +51,13 @@ class Workload:
     )
     name: str = "workload"
     data: Any = None
+    max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        limit = self.max_grad_norm
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not 0 < limit < math.inf):
+            raise WorkloadError(f"max_grad_norm must be a positive number or None, got {limit!r}")
 
 
 # ---------------------------------------------------------------------------------------------- batches

@@ -270,6 +270,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                              if sizes != [config.rank_batch] else config, "cpu", move=move, cuda_target=cuda_target)
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
+        if workload.max_grad_norm is not None:
+            notes.append(f"gradients clipped to a total norm of {workload.max_grad_norm:g} before each optimizer step")
         if cuda_target and _use_foreach(step.optimizer):
             notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
         if cuda_target and config.precision in ("fp16", "bf16") and not config.fsdp:

@@ -527,6 +527,10 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                     if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16")
                     and micro_batch in (None, per_rank) and per_rank >= fam.sizes[0]
                     and fam.memory(per_rank, 1, cpu) > usable]
+    if accumulating and workload.max_grad_norm is not None:
+        verdicts += [(_family_name(b.replace(optimizer_in_backward=True)), "cannot apply: clipping by the total "
+                      "gradient norm (max_grad_norm) needs every gradient before any update") for b, _ in accumulating]
+        accumulating = []
     tight = []
     for b, fam in accumulating:
         in_backward = b.replace(optimizer_in_backward=True)

@@ -221,12 +221,18 @@ def _check_resume(path: Path, state: dict, workload: Workload, *, seed, global_b
     saved_warmup = saved.get("warmup", warmup)
     if warmup is not None and saved_warmup != warmup:
         raise RunError(f"{path}: the run warms up over {saved_warmup} steps; resume without --warmup")
+    clip = saved.get("max_grad_norm")  # runs saved before clipping existed did not clip
+    if clip != workload.max_grad_norm:
+        fix = f"--max-grad-norm {clip}" if clip is not None else "no --max-grad-norm"
+        raise RunError(f"{path}: the run clips gradients at {clip if clip is not None else 'no norm'}; resuming "
+                       f"with max_grad_norm {workload.max_grad_norm} would change the math; resume with {fix}")
     saved_det = bool(saved.get("deterministic", False))
     if deterministic is not None and deterministic != saved_det:
         raise RunError(f"{path}: the run was started {'with' if saved_det else 'without'} --deterministic; "
                        f"resume it {'with' if saved_det else 'without'} it")
     return dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps, schedule=schedule,
-                warmup=saved_warmup if saved_warmup is not None else max(1, steps // 20), deterministic=saved_det,
+                warmup=saved_warmup if saved_warmup is not None else max(1, steps // 20),
+                max_grad_norm=workload.max_grad_norm, deterministic=saved_det,
                 threads=int(saved["threads"]) if saved_det else torch.get_num_threads())
 
 
@@ -495,6 +501,8 @@ class _Run:
                                micro_batch=cfg.micro_batch, grad_accum=cfg.grad_accum,
                                activation_checkpoint=cfg.to_dict()["activation_checkpoint"],
                                skipped_fp16_steps=self.trainer.engine.skipped_steps, events=events)
+                    if self.trainer.engine.grad_norm is not None:  # before clipping: what the clip acted on
+                        rec["grad_norm"] = float(self.trainer.engine.grad_norm)
                     if self.trainer.noise is not None:  # batch-size advice, when the step accumulated
                         rec.update(self.trainer.noise.metrics())
                     live = self._live_bytes()
@@ -617,7 +625,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         identity = dict(workload=workload.name, seed=seed, global_batch=global_batch, steps=steps,
                         schedule=schedule or "cosine",
                         warmup=warmup if warmup is not None else max(1, steps // 20),
-                        deterministic=bool(deterministic), threads=torch.get_num_threads())
+                        max_grad_norm=workload.max_grad_norm, deterministic=bool(deterministic),
+                        threads=torch.get_num_threads())
     with deterministic_mode(identity["deterministic"], identity["threads"]):
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,

@@ -95,8 +95,10 @@ class OptimizerOffload:
                     master.grad += grad
         return hook
 
-    def step(self) -> None:
+    def step(self, before: Callable[[], None] = lambda: None) -> None:
+        """The host optimizer's step; `before` runs first, on the host, where the gradients now are (clipping)."""
         with host_side():
+            before()
             self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
