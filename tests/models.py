@@ -405,6 +405,59 @@ def rnn_gru(features: int = 16, hidden: int = 64, layers: int = 2, seq: int = 32
                     loss=classify, optimizer=make_optimizer(optimizer), name="rnn_gru")
 
 
+# ---------------------------------------------------------------------------------------------- CTC (speech)
+
+
+class CTCHead(nn.Module):
+    """Frames -> per-frame log-probabilities over the labels, (frames, batch, labels) as F.ctc_loss takes them."""
+
+    def __init__(self, features: int, labels: int):
+        super().__init__()
+        self.proj = nn.Linear(features, labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).log_softmax(-1).transpose(0, 1)
+
+
+def ctc_head(frames: int = 400, features: int = 16, labels: int = 50, target: int = 300,
+             optimizer: str = "adamw") -> Workload:
+    """F.ctc_loss over a small head, its tables (batch x frames x (2 x longest target + 1)) the step's largest
+    tensors. Target lengths are fixed per sample (the first is shorter), so every batch has the same longest."""
+
+    def batch(n: int) -> dict:
+        lengths = torch.full((n,), target)
+        lengths[0] = target - 7
+        return {"x": torch.randn(n, frames, features), "targets": torch.randint(1, labels, (n, target)),
+                "lengths": lengths}
+
+    def loss(model: nn.Module, b: dict) -> torch.Tensor:
+        log_probs = model(b["x"])
+        return F.ctc_loss(log_probs, b["targets"], torch.full((log_probs.shape[1],), frames), b["lengths"])
+
+    return Workload(model=lambda: CTCHead(features, labels), batch=batch, loss=loss,
+                    optimizer=make_optimizer(optimizer), name="ctc_head")
+
+
+def wav2vec2_ctc(samples: int = 4000, optimizer: str = "adamw") -> Workload:
+    """transformers' Wav2Vec2ForCTC, shrunk: a convolutional feature encoder over raw audio, a transformer,
+    and a CTC loss over labels padded with -100 (the model selects the real ones with masked_select)."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        vocab_size=32, ctc_loss_reduction="mean")
+
+    def batch(n: int) -> dict:
+        labels = torch.randint(1, 32, (n, 20))
+        for row in range(n - 1):  # every row's end padded but the last one's
+            labels[row, 15 + row % 5:] = -100
+        return {"input_values": torch.randn(n, samples), "labels": labels}
+
+    return Workload(model=lambda: transformers.Wav2Vec2ForCTC(config), batch=batch,
+                    loss=lambda model, b: model(**b).loss, optimizer=make_optimizer(optimizer), name="wav2vec2_ctc")
+
+
 ALL: dict[str, Callable[..., Workload]] = {
     "vit": vit,
     "unet": unet,
@@ -416,6 +469,8 @@ ALL: dict[str, Callable[..., Workload]] = {
     "custom_function": custom_function,
     "inplace_tied": inplace_tied,
     "rnn_gru": rnn_gru,
+    "ctc_head": ctc_head,
+    "wav2vec2_ctc": wav2vec2_ctc,
 }
 # The ones whose forward reads tensor values to decide shapes: fake tensors cannot trace them.
 DATA_DEPENDENT = frozenset({"moe", "moe_item"})

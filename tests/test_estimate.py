@@ -53,7 +53,7 @@ def test_mixed_precision_adam_costs_16_bytes_per_parameter_as_in_zero():
     assert states / est.parameters == pytest.approx(16, abs=1e-3)
 
 
-FAKE_MODELS = ["gpt_sdpa", "vit", "embedding_bag", "inplace_tied", "rnn_gru", "custom_function"]
+FAKE_MODELS = ["gpt_sdpa", "vit", "embedding_bag", "inplace_tied", "rnn_gru", "custom_function", "wav2vec2_ctc"]
 
 
 @pytest.mark.parametrize("name", FAKE_MODELS)

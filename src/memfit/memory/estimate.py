@@ -319,6 +319,10 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             if router is not None:
                 add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, draw(size),
                                                                   []).estimate) if routing_bound else None)
+                if router.ctc_targets:
+                    p.estimate.notes.append(f"CTC loss sized by the traced batch's longest target "
+                                            f"({max(router.ctc_targets)} labels): a batch with longer targets holds "
+                                            "more (log-alpha kept for backward, log-beta during it)")
                 if router.assumed_finite:
                     p.estimate.notes.append("the model checks its values for NaN/inf, which fake tensors lack: "
                                             "answered as all finite, the values of a step that trains")

@@ -52,6 +52,12 @@ custom_function and gpt_sdpa in bf16 and ViT in bf16-pure are the profiler's pea
 matmuls run in MKL, whose buffers do not come from PyTorch's allocator (the profiler does not see them
 either).
 
+CTC loss (aten._ctc_loss_backward, the native kernel on the CPU and on CUDA): the backward fills a log-beta
+table shaped as the forward's log-alpha (batch x input length x (2 x longest target + 1)) beside the gradient
+it returns, and frees it on return. Profiled on the CPU (one empty_like of log-alpha inside every call):
+exact on a CTC head whose backward is the step's peak (tests/test_kernels.py). cuDNN's CTC (CUDA, fp32, int32
+targets, cuDNN enabled) is not modelled; transformers' speech models turn cuDNN off for their CTC loss.
+
 Reductions that accumulate in another dtype on the CPU (sum, prod, cumsum, cumprod of a bool or integer
 tensor into int64, or with `dtype=`): the kernel first copies the whole input into the output's dtype
 (numel x output element bytes) and frees it on return, e.g. `mask.sum()` of a bool mask holds 8 bytes per
@@ -191,6 +197,16 @@ UPCASTING_MEANS = frozenset({aten.mean.default})
 # sliding-window attention; contiguous inputs cost nothing).
 CONTIGUOUS_FIRST = frozenset({aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
                               aten._log_softmax_backward_data.default})
+# CTC loss's backward (the native kernel, CPU and CUDA alike) fills a log-beta table shaped as the forward's
+# log-alpha, which it receives (argument 6), and frees it on return (profiled on the CPU: one empty_like of it
+# inside every aten::_ctc_loss_backward, beside the gradient it returns).
+CTC_BACKWARD = frozenset({aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor})
+
+
+def _ctc_log_beta(args) -> int:
+    return args[6].numel() * args[6].element_size()
+
+
 # A measurement runs the op on real tensors of the traced shapes: their bytes, times this, must fit in the
 # memory the host has available (the outputs and the workspace come on top of the inputs).
 HEADROOM = 8
@@ -297,6 +313,8 @@ class CpuWorkspaces:
         if func in CONTIGUOUS_FIRST:
             return sum(t.numel() * t.element_size() for t in args[:2]
                        if isinstance(t, torch.Tensor) and not t.is_contiguous())
+        if func in CTC_BACKWARD:
+            return _ctc_log_beta(args)
         if str(func) == GLOO_REDUCE_SCATTER:
             return args[1].untyped_storage().nbytes()
         if str(func) == GLOO_ALL_GATHER:
@@ -443,6 +461,8 @@ class CudnnWorkspaces:
         self.calls = 0
 
     def __call__(self, func, args, kwargs, out) -> int:
+        if func in CTC_BACKWARD:
+            return _ctc_log_beta(args)
         if func is aten.convolution.default:
             x, weight, positions = args[0], args[1], out.shape[2:]
         elif func is aten.convolution_backward.default:
@@ -491,7 +511,7 @@ def workspace_of(func, args, kwargs) -> int:
         func(*args, **kwargs)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         func(*args, **kwargs)
-    [sizes] = profiler_call_allocations(prof, func.name())
+    [sizes] = profiler_call_allocations(prof, func.name().split(".")[0])  # the profiler names no overload
     running = peak = 0
     for size in sizes:
         running += size

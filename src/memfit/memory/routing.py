@@ -25,7 +25,9 @@ refuse (`DynamicOutputShapeException`, `DataDependentOutputException`) is answer
 output becomes a fake tensor of the real output's shape, with the real output as shadow, and `.item()`,
 `.tolist()`, `bool()` return the real numbers. Ops that mix shadowed indices with ordinary fake data
 (`hidden[token_idx]`, `index_add_`) run on fake tensors as always, with shapes now known. A boolean mask
-with a shadow used as an index becomes the integer indices it selects.
+with a shadow used as an index becomes the integer indices it selects. The CTC loss (`F.ctc_loss`, speech
+models), whose log-probabilities have no shadow, is sized from its target lengths' shadows alone: its tables
+grow with the longest target (`ctc_targets`, for the estimate's note).
 
 Assumptions (each router call: T rows (tokens) choose k of E experts; a loop over experts visits them in
 index order, its backward in reverse):
@@ -90,6 +92,8 @@ _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.defa
 _EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FINITE_CHECKS = {aten.isnan.default: False, aten.isinf.default: False, aten.isposinf.default: False,
                   aten.isneginf.default: False, aten.isfinite.default: True}
+_CTC = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
+_CTC_BACKWARD = {aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor}
 
 
 @dataclasses.dataclass
@@ -112,6 +116,7 @@ class Routing(TorchDispatchMode):
         self.routers: set[tuple[int, int]] = set()  # (k, choices) of the routers those results read
         self.computed: set[tuple[int, int]] = set()  # routers whose choices other ops computed on (not views)
         self.assumed_finite = 0  # finiteness checks answered as "all finite"
+        self.ctc_targets: list[int] = []  # the longest target of each CTC loss traced
         self._drawing = False  # inside drawing(): random factories draw real values too
         self._building = False  # inside building(): no float shadows (they would pin parameters, see there)
         self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
@@ -299,7 +304,10 @@ class Routing(TorchDispatchMode):
         in_place = func.__name__.split(".")[0].endswith("_") or "out" in kwargs
         real = None if shadow_args is None or in_place else self._real(func, shadow_args)
         if real is None:
-            raise
+            ctc = self._ctc(func, args) if func in _CTC or func in _CTC_BACKWARD else None
+            if ctc is None:
+                raise
+            return ctc
         self._follow(str(func).removeprefix("aten.").removesuffix(".default"), shadow_args[2])
         if not isinstance(real, (torch.Tensor, list, tuple)):
             return real  # .item(), bool(), .tolist(): the number itself
@@ -307,6 +315,24 @@ class Routing(TorchDispatchMode):
         out = _map(real, lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device))
         self._attach(out, real, shadow_args[2])
         return out
+
+    def _ctc(self, func, args):
+        """The CTC loss (speech models' `F.ctc_loss`): sized by the longest target, which the labels give
+        (their shadows, or the lengths as numbers). Forward: the per-sample loss and log-alpha, (batch, input
+        length, 2 * longest target + 1), kept for backward; backward: a gradient shaped as the log-probs (its
+        log-beta buffer is a kernel workspace: kernels.py). None where the target lengths are not known."""
+        log_probs, lengths = args[0], args[3]
+        if isinstance(lengths, torch.Tensor):
+            shadow = self.shadow(lengths) if is_fake(lengths) else None
+            if is_fake(lengths) and shadow is None:
+                return None
+            with unset_fake_temporarily():
+                lengths = (shadow.value if shadow is not None else lengths).tolist()
+        if func in _CTC_BACKWARD:
+            return torch.empty_like(log_probs)
+        batch, longest = log_probs.shape[1], max(lengths, default=0)  # (input length, batch, classes)
+        self.ctc_targets.append(longest)
+        return log_probs.new_empty((batch,)), log_probs.new_empty((batch, log_probs.shape[0], 2 * longest + 1))
 
     def _bool_mask_as_indices(self, args, kwargs):
         """`x[mask]` / `x[mask] = y` with a shadowed boolean mask: the integer indices the mask selects."""
