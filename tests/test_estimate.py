@@ -1,5 +1,6 @@
 """The estimator against numbers computed by hand and against the PyTorch profiler (an independent
 measurement of the same real CPU step, benchmarks/truth.py)."""
+import contextlib
 import gc
 import itertools
 import os
@@ -13,7 +14,7 @@ import memfit
 import models  # tests/ and benchmarks/ are on pytest's pythonpath (pyproject.toml)
 from memfit import Config
 from memfit.workloads import builtin
-from truth import real_step_peak
+from truth import allocator_step_peak, real_step_peak
 
 
 def mlp_workload(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)):
@@ -87,15 +88,42 @@ def test_the_rng_state_checkpointing_keeps_per_block_is_counted_where_it_lives(m
     """torch.utils.checkpoint keeps a copy of the CPU RNG state (5,056 bytes, made outside the dispatcher) per
     checkpointed block until the block is recomputed: the estimate was one copy per block below the profiler.
     For a GPU target the copy is host memory, so the device peak does not move and the host peak does."""
-    from memfit.strategies import activation_checkpoint
+    from memfit.memory import estimate as estimate_module
 
     wl, cfg = builtin("gpt-tiny"), Config(micro_batch=4, activation_checkpoint="all")
     copy = torch.get_rng_state().numel()
     assert abs(memfit.estimate(wl, cfg).peak_bytes - real_step_peak(wl, cfg)) < copy
     gpu = memfit.estimate(wl, cfg, device="h100")
-    monkeypatch.setattr(activation_checkpoint, "_rng_state_bytes", lambda: 0)
+    monkeypatch.setattr(estimate_module, "stand_ins_for_rng_state_copies", lambda stand_in: contextlib.nullcontext())
     without = memfit.estimate(wl, cfg, device="h100")
     assert gpu.peak_bytes == without.peak_bytes and gpu.host_peak_bytes >= without.host_peak_bytes + copy
+
+
+class _CheckpointsItsBlocks(nn.Module):
+    """Residual MLP blocks with dropout, each run through torch.utils.checkpoint by the model's own forward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64))
+                                    for _ in range(3))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_that_calls_torch_checkpoint_itself_is_counted_to_the_byte(reentrant):
+    """The RNG-state copies are counted wherever checkpoint() runs, not only where memfit or transformers
+    apply it: a model calling it in its own forward, reentrant or not, was one copy (5,056 B) low."""
+    wl = memfit.Workload(model=lambda: _CheckpointsItsBlocks(reentrant),
+                         batch=lambda n: (torch.randn(n, 16, 64), torch.randint(0, 10, (n,))),
+                         loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), name="checkpoints_itself")
+    cfg = Config(micro_batch=4)
+    assert memfit.estimate(wl, cfg).peak_bytes == allocator_step_peak(wl, cfg)
 
 
 class _UnusedHead(nn.Module):

@@ -61,12 +61,12 @@ def test_fp16_clips_the_unscaled_gradients():
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_estimate_counts_the_clip_to_the_byte(precision):
+def test_the_estimate_counts_the_clip_to_the_byte():
     """The allocator's running total of a real step (truth.allocator_step_peak): the norms, and the last
-    step's norm kept between steps (the run logs it)."""
+    step's norm kept between steps (the run logs it). The clip reads fp32 gradients in every precision but
+    bf16-pure, so one is enough."""
     wl = clipped(builtin("gpt-tiny"))
-    config = Config(micro_batch=4, grad_accum=2, precision=precision)
+    config = Config(micro_batch=4, grad_accum=2)
     assert memfit.estimate(wl, config).peak_bytes == allocator_step_peak(wl, config)
 
 

@@ -29,6 +29,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"fast_cache_keys"}  # a fifth of every op's cost
     pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
     pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
+    pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
     assert set(ti.__all__) == pinned
 
 
@@ -316,6 +317,35 @@ def test_checkpoints_recompute_drops_function_modes_and_they_can_be_pushed_again
             kwargs = {"context_fn": context_fn} if context_fn else {}
             checkpoint(block, x, use_reentrant=False, **kwargs).sum().backward()
         assert seen == [["Seen"], recomputed] and ti.function_modes() == []
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_copies_the_rng_state_through_torch_get_rng_state_outside_the_dispatcher(reentrant):
+    """A checkpointed block with dropout: one copy made beside the forward and kept until backward, and one
+    more (fork_rng's) while the block is recomputed, each through `torch.get_rng_state` looked up at call time,
+    neither seen by a dispatch mode. The stand-ins live exactly as long as the copies."""
+    seen, live = [], []
+
+    class Factories(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def stand_in(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        live.append(weakref.ref(t))
+        return t
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    x, nbytes = torch.randn(4, 8, requires_grad=True), torch.get_rng_state().numel()
+    with ti.stand_ins_for_rng_state_copies(stand_in):
+        with Factories():
+            y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        assert len(live) == 1 and live[0]() is not None and live[0]().numel() == nbytes
+        y.sum().backward()
+        del y  # the graph, which a reentrant checkpoint's saved copy belongs to
+    assert len(live) == 2 and all(ref() is None for ref in live)
+    assert not any("rng" in str(f) for f in seen)
 
 
 def test_a_value_read_from_a_fake_tensor_raises_the_pinned_exception():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
@@ -24,8 +26,8 @@ __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "D
            "FakeTensorMode", "fast_cache_keys", "function_modes", "function_modes_again", "grad_scaler_tensors",
            "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable",
            "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
-           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "storage_key", "tensor_version",
-           "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies",
+           "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -210,6 +212,30 @@ def fast_cache_keys(mode: FakeTensorMode) -> None:
 _FAST_KEY = object()
 _KEYED_AS_THEY_ARE = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
                                 torch.memory_format})
+
+
+@contextlib.contextmanager
+def stand_ins_for_rng_state_copies(stand_in: Callable[[int], torch.Tensor]):
+    """torch.utils.checkpoint (a copy per checkpointed block, kept until its backward) and torch.random.fork_rng
+    (one more while a block is recomputed) copy the CPU generator's state with `torch.get_rng_state()`, looked
+    up at call time, which makes its tensor outside the dispatcher: a dispatch-level trace does not see it.
+    While active, each copy also gets `stand_in(nbytes)`, a tensor the trace counts, released with the copy."""
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        weakref.finalize(state, _release, stand_in(state.numel() * state.element_size()))
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
+def _release(stand_in: torch.Tensor) -> None:
+    """weakref.finalize held the stand-in until now; dropping it is the release."""
 
 
 def function_modes() -> list:

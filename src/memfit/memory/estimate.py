@@ -34,7 +34,9 @@ from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.strategies.base_4bit import chunks_traced_once, weight_count
 from memfit.strategies.cuda_kernels import fused_elsewhere
-from memfit.torch_internals import fake_process_group, grad_scaler_tensors, held_by, storage_key
+from memfit.strategies.offload import host_side
+from memfit.torch_internals import (fake_process_group, grad_scaler_tensors, held_by, stand_ins_for_rng_state_copies,
+                                    storage_key)
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
@@ -263,7 +265,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
     draws = LayerDropDraws() if fake else None
     results = []
     with _heap_set_aside(fake), mode or contextlib.nullcontext(), router or contextlib.nullcontext(), \
-            draws or contextlib.nullcontext(), quiet_fake_errors():
+            draws or contextlib.nullcontext(), quiet_fake_errors(), \
+            stand_ins_for_rng_state_copies(_host_bytes) if fake else contextlib.nullcontext():
         with FakeBuild(mode) if fake else contextlib.nullcontext(), \
                 router.building() if router is not None else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
@@ -412,6 +415,13 @@ def _copy_to_device(batch, device):
 def _tag(tracker: LiveBytes, batch):
     tracker.tag(tensors_of(batch), Category.INPUTS)
     return batch
+
+
+def _host_bytes(nbytes: int) -> torch.Tensor:
+    """A stand-in for a copy the step makes in host memory outside the dispatcher (the CPU RNG state): on a
+    CPU target that is the device's memory, on a GPU target the host's."""
+    with host_side():
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _use_foreach(opt: torch.optim.Optimizer) -> bool:

@@ -24,8 +24,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
 
 from memfit.config import ConfigError
-from memfit.strategies.offload import host_side
-from memfit.torch_internals import (DEVICE_QUERY, FakeTensor, TorchDispatchMode, answer_device_query,
+from memfit.torch_internals import (DEVICE_QUERY, TorchDispatchMode, answer_device_query,
                                     detach_sharing_version, function_modes, function_modes_again, storage_key,
                                     tensor_version, tree_leaves)
 
@@ -204,11 +203,6 @@ def _without_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
-@functools.cache
-def _rng_state_bytes() -> int:
-    return torch.get_rng_state().numel()
-
-
 def _contexts(selective: bool):
     """checkpoint()'s context_fn: selective checkpointing's pair of dispatch modes, or none."""
     if selective:
@@ -220,47 +214,31 @@ def _contexts(selective: bool):
 class _Replay:
     """A checkpointed function whose recomputation runs as its forward did. The autograd engine runs the
     recomputation without the forward's TorchFunctionModes (dispatch modes stay), so they are pushed again:
-    memfit's MoE router formatting, LayerDrop draws and CUDA attention must see the same block twice.
-    checkpoint() also copies the CPU RNG state outside the dispatcher, where a fake trace does not see it: once
-    beside the function, kept until the block's backward has run, and once more while the block is recomputed
-    (fork_rng keeps the state it restores after). In a fake trace this object holds stand-ins of that size for
-    as long, made in host memory, so that the trace counts the copies where the step keeps them (the device,
-    for a CPU target; the host, for a GPU one)."""
+    memfit's MoE router formatting, LayerDrop draws and CUDA attention must see the same block twice. (The
+    RNG-state copies checkpoint() keeps are counted wherever it runs: torch_internals.
+    stand_ins_for_rng_state_copies.)"""
 
-    def __init__(self, function, args, kwargs, preserve_rng_state: bool):
+    def __init__(self, function):
         self.function, self.modes, self.calls = function, function_modes(), 0
-        self.copies = preserve_rng_state and any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs)))
-        self.rng_state_copy = self._rng_state_copy()
-
-    def _rng_state_copy(self):
-        if self.copies:
-            with host_side():
-                return torch.empty(_rng_state_bytes(), dtype=torch.uint8)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls == 1:  # the forward
             return self.function(*args, **kwargs)
-        forked = self._rng_state_copy()  # fork_rng's copy, held while the block is recomputed
-        try:
-            with function_modes_again(self.modes):
-                return self.function(*args, **kwargs)
-        finally:
-            del forked
+        with function_modes_again(self.modes):
+            return self.function(*args, **kwargs)
 
 
 def _checkpointed(forward, selective: bool, *args, **kwargs):
     args, kwargs = _without_cache(forward, args, kwargs)
-    return checkpoint(_Replay(forward, args, kwargs, preserve_rng_state=True), *args, use_reentrant=False,
+    return checkpoint(_Replay(forward), *args, use_reentrant=False,
                       context_fn=functools.partial(_contexts, selective), **kwargs)
 
 
 def _their_checkpoint(checkpoint_fn, function, *args, **kwargs):
     """A model's own checkpoint function (transformers' `_gradient_checkpointing_func`: torch's checkpoint
     with the model's keywords, reentrant or not), given a `_Replay` of the function it checkpoints."""
-    keywords = {**getattr(checkpoint_fn, "keywords", {}), **kwargs}
-    replay = _Replay(function, args, kwargs, preserve_rng_state=keywords.get("preserve_rng_state", True))
-    return checkpoint_fn(replay, *args, **kwargs)
+    return checkpoint_fn(_Replay(function), *args, **kwargs)
 
 
 def replay_model_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
