@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import memfit
@@ -273,6 +274,55 @@ def test_softmax_kernels_copy_non_contiguous_inputs_first_on_the_cpu(dtype):
         assert counted(func, args, {}, out) == workspace_of(func, args, {}), (func, [a.is_contiguous() for a in
                                                                                     args[:2]])
     assert counted(*cases[-2], {}, cases[-2][0](*cases[-2][1])) == 2 * x.numel() * x.element_size()
+
+
+def test_binary_ops_copy_inputs_of_another_dtype_into_the_common_one_on_the_cpu():
+    """TensorIterator's CPU kernels first copy each input of another dtype into the inputs' common dtype (and an
+    in-place op computes into a temporary of it): counted equals measured for bf16 beside fp32 (autocast's
+    residual adds), masks, integers, fp16, broadcast rows and 0-d tensors, functional and in place. Same-dtype
+    inputs cost nothing."""
+    from memfit.memory.kernels import CpuWorkspaces, workspace_of
+
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32, 64), torch.randn(4, 32, 64).bfloat16()
+    row, mask, ints = torch.randn(64).bfloat16(), a > 0, torch.randint(1, 3, (4, 32, 64))
+    cases = [(aten.add.Tensor, (a, b)), (aten.add.Tensor, (b, a)), (aten.add.Tensor, (a, row)),
+             (aten.add.Tensor, (b, torch.tensor(2.0))), (aten.add.Tensor, (a, torch.tensor(2.0).bfloat16())),
+             (aten.mul.Tensor, (a, mask)), (aten.mul.Tensor, (b, ints)), (aten.mul.Tensor, (b, b.half())),
+             (aten.sub.Tensor, (a, b)), (aten.div.Tensor, (a, b)), (aten.div.Tensor, (ints, ints)),
+             (aten.maximum.default, (a, b)), (aten.lt.Tensor, (b, a)), (aten.where.self, (mask, a, b)),
+             (aten.pow.Tensor_Tensor, (a, b)), (aten.atan2.default, (a, b)), (aten.add_.Tensor, (a.clone(), b)),
+             (aten.add_.Tensor, (b.clone(), a)), (aten.mul_.Tensor, (a.clone(), mask)), (aten.mul.Tensor, (a, a)),
+             (aten.where.self, (mask, a, a))]
+    counted = CpuWorkspaces(threads=1)
+    for func, args in cases:
+        assert counted(func, args, {}, func(*args)) == workspace_of(func, args, {}), (func, [t.dtype for t in args])
+    assert counted(aten.add_.Tensor, (b.clone(), a), {}, None) == 2 * a.numel() * 4
+
+
+class _PostNormLM(nn.Module):
+    """nn.TransformerEncoder with post-norm layers: under bf16 autocast each residual adds a bf16 block output
+    to an fp32 stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def test_a_residual_add_of_bf16_to_fp32_at_the_peak_is_counted():
+    """Checkpointed in bf16, the recompute's residual add holds its promoted copy at the step's peak: the
+    estimate was 11,840 B (0.63%) below the profiler; it is its peak to the byte."""
+    wl = memfit.Workload(model=_PostNormLM, batch=lambda n: torch.randint(0, 100, (n, 32)),
+                         loss=lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten()), name="post_norm_lm")
+    cfg = memfit.Config(micro_batch=4, precision="bf16", activation_checkpoint="all")
+    assert memfit.estimate(wl, cfg).peak_bytes == real_step_peak(wl, cfg)
 
 
 def test_the_ctc_loss_traces_on_fake_and_its_backward_holds_a_log_beta_table():
