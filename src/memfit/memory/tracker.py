@@ -352,7 +352,8 @@ class LiveBytes(_Scoped):
         if _Scoped.quiet:
             return func(*args, **kwargs)
         try:
-            out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs))  # meta kernels that size outputs wrong
+            # meta kernels that size outputs wrong; a GPU target (its host apart) runs CUDA's kernels
+            out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs), cpu=not self.host_apart)
         except Exception:
             if self.failed_at is None:  # the module stack unwinds as the error leaves: note where it was
                 self.failed_at = (self.module, self.phase, getattr(func, "__name__", str(func)))
