@@ -73,8 +73,9 @@ def test_the_estimate_counts_the_clip_to_the_byte():
 def test_on_fsdp_ranks_the_norm_is_every_shards_and_training_equals_one_process():
     """Each FSDP2 rank holds a shard of each gradient: the norm is reduced across ranks before any scaling,
     so two ranks train as one process does (fp32; 1e-5: only the order of the sums differs) and report the
-    same norm. Scaling by a rank's own shards' norm fails this (mutation checked). The per-rank estimate equals the lowest real
-    rank's peak (1%, as test_data_parallel's: gloo's worker thread frees buffers late at random)."""
+    same norm. Scaling by a rank's own shards' norm fails this (mutation checked). The per-rank estimate
+    equals the lowest real rank's peak (1%, as test_data_parallel's: gloo's worker thread frees buffers late
+    at random)."""
     from test_data_parallel import WORKLOAD, _lowest_rank_peak
 
     from memfit.runtime.trainer import Trainer

@@ -27,7 +27,8 @@ __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "D
            "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable",
            "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
            "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies",
-           "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
+           "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"

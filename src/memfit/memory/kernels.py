@@ -248,7 +248,8 @@ PROMOTING_BINARY = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
 PROMOTING_IN_PLACE = frozenset({aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor})
 
 
-_COMPARISONS = frozenset({aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor})
+_COMPARISONS = frozenset({aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor,
+                          aten.ge.Tensor})
 
 
 def _promotion_copies(func, args, out) -> int:
