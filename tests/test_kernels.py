@@ -372,6 +372,32 @@ def test_norms_keep_fp32_statistics_of_a_low_precision_input_with_fp32_weights_o
             assert [t.dtype for t in fixed[1:3]] == [t.dtype for t in real[1:3]], (func, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_and_group_norm_backward_hold_their_sums_on_the_cpu(dtype):
+    """Layer norm's backward sums the weight's and the bias's gradients per thread (two threads x normalized
+    size buffers in the input's dtype, only when either is asked for); group norm's keeps two batch x channels
+    fp32 buffers. Counted equals measured at this process's thread count."""
+    from memfit.memory.kernels import CpuWorkspaces, workspace_of
+
+    aten = torch.ops.aten
+    counted = CpuWorkspaces(threads=torch.get_num_threads())
+    x, ones, zeros = torch.randn(4, 32, 64).to(dtype), torch.ones(64), torch.zeros(64)
+    for weight, bias in ((ones, zeros), (ones.to(dtype), zeros.to(dtype)), (None, None)):
+        _, mean, rstd = aten.native_layer_norm.default(x, [64], weight, bias, 1e-5)
+        for mask in ([True, True, True], [True, False, False], [False, True, False]):
+            if weight is None and mask != [True, False, False]:
+                continue
+            args = (torch.randn_like(x), x, [64], mean, rstd, weight, bias, mask)
+            func = aten.native_layer_norm_backward.default
+            assert counted(func, args, {}, func(*args)) == workspace_of(func, args, {}), (weight is None, mask)
+    images = torch.randn(2, 32, 10, 10).to(dtype)
+    _, mean, rstd = aten.native_group_norm.default(images, ones[:32], zeros[:32], 2, 32, 100, 4, 1e-5)
+    for mask in ([True, True, True], [True, False, False]):
+        args = (torch.randn_like(images), images, mean, rstd, ones[:32], 2, 32, 100, 4, mask)
+        func = aten.native_group_norm_backward.default
+        assert counted(func, args, {}, func(*args)) == workspace_of(func, args, {}) == 2 * 2 * 32 * 4
+
+
 def test_the_ctc_loss_traces_on_fake_and_its_backward_holds_a_log_beta_table():
     """F.ctc_loss has no meta kernel (its tables are sized by the longest target, a value): traced on fake
     tensors from the target lengths' values, with the backward's log-beta table as a workspace, counted equals

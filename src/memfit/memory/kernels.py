@@ -70,6 +70,11 @@ all freed on return (`PROMOTING_BINARY`). CUDA kernels cast as they read, with n
 exact. Counted, nn.TransformerEncoder in bf16 with checkpointing is the profiler's peak to the byte (0.63% low
 before: the recompute's residual add holds a promoted copy at the peak).
 
+Layer norm's CPU backward sums the weight's and bias's gradients per thread into two threads x normalized-size
+buffers of the input's dtype (only when either gradient is asked for), and group norm's into two batch x
+channels fp32 ones (`LAYER_NORM_BACKWARD`, `GROUP_NORM_BACKWARD`): 1 KB for a 64-wide layer norm on 2
+threads, 64 KB for a 4096-wide one. Profiled for 1 and 2 threads, fp32, bf16 and mixed weights: exact.
+
 CTC loss (aten._ctc_loss_backward, the native kernel on the CPU and on CUDA): the backward fills a log-beta
 table shaped as the forward's log-alpha (batch x input length x (2 x longest target + 1)) beside the gradient
 it returns, and frees it on return. Profiled on the CPU (one empty_like of log-alpha inside every call):
@@ -104,6 +109,7 @@ import fcntl
 import hashlib
 import importlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -266,6 +272,13 @@ def _promotion_copies(func, args, out) -> int:
     return nbytes
 
 
+# Layer norm's CPU backward, when it computes the weight's or the bias's gradient, sums them per thread first:
+# two (threads, normalized size) buffers in the input's dtype. Group norm's keeps two (batch, channels) fp32
+# buffers of per-channel sums. Profiled for 1 and 2 threads, fp32 and bf16, mixed weights, every mask.
+LAYER_NORM_BACKWARD = aten.native_layer_norm_backward.default
+GROUP_NORM_BACKWARD = aten.native_group_norm_backward.default
+
+
 # CTC loss's backward (the native kernel, CPU and CUDA alike) fills a log-beta table shaped as the forward's
 # log-alpha, which it receives (argument 6), and frees it on return (profiled on the CPU: one empty_like of it
 # inside every aten::_ctc_loss_backward, beside the gradient it returns).
@@ -384,6 +397,11 @@ class CpuWorkspaces:
                        if isinstance(t, torch.Tensor) and not t.is_contiguous())
         if func in CTC_BACKWARD:
             return _ctc_log_beta(args)
+        if func is LAYER_NORM_BACKWARD:
+            x, normalized, mask = args[1], args[2], args[7]
+            return 2 * self.threads * math.prod(normalized) * x.element_size() if mask[1] or mask[2] else 0
+        if func is GROUP_NORM_BACKWARD:
+            return 2 * args[5] * args[6] * max(4, args[1].element_size())
         if func in PROMOTING_BINARY or func in PROMOTING_IN_PLACE:
             return _promotion_copies(func, args, out)
         if str(func) == GLOO_REDUCE_SCATTER:
