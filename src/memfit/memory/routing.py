@@ -323,11 +323,13 @@ class Routing(TorchDispatchMode):
         log-beta buffer is a kernel workspace: kernels.py). None where the target lengths are not known."""
         log_probs, lengths = args[0], args[3]
         if isinstance(lengths, torch.Tensor):
-            shadow = self.shadow(lengths) if is_fake(lengths) else None
-            if is_fake(lengths) and shadow is None:
-                return None
+            if is_fake(lengths):
+                shadow = self.shadow(lengths)
+                if shadow is None:
+                    return None
+                lengths = shadow.value
             with unset_fake_temporarily():
-                lengths = (shadow.value if shadow is not None else lengths).tolist()
+                lengths = lengths.tolist()
         if func in _CTC_BACKWARD:
             return torch.empty_like(log_probs)
         batch, longest = log_probs.shape[1], max(lengths, default=0)  # (input length, batch, classes)
