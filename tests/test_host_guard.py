@@ -1,6 +1,8 @@
 """Where fake tensors cannot follow a step, memfit measures real CPU steps instead, but never one that may
 not fit the host: a check before (what is known the step needs against a safe share of available memory)
 and a guard during (the tracing child ends itself once its peak resident memory grows past that share)."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -83,3 +85,37 @@ def test_gpu_targets_get_the_same_guard(monkeypatch, tmp_path):
     with pytest.raises(HostMemoryError):
         memfit.estimate(data_dependent(marker), Config(micro_batch=2, precision="bf16"), device="h100")
     assert not marker.exists()
+
+
+def raising(marker, error: str):
+    """A model whose own code raises on every step, fake or real (`marker` is written if a real one runs)."""
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(FEATURES, FEATURES)
+
+        def forward(self, x):
+            if type(x).__name__ != "FakeTensor":
+                marker.write_text("a real step ran")
+            if error == "raise":
+                raise ValueError("inputs_embeds cannot be None")  # as transformers' models check their inputs
+            return torch.topk(self.proj(x), k=None).values  # a config value that is None: torch's parser refuses
+
+    return memfit.Workload(model=Broken, batch=lambda n: torch.randn(n, ROWS, FEATURES),
+                           loss=lambda m, b: m(b).mean(), name="broken")
+
+
+@pytest.mark.parametrize("error, says", [("raise", "ValueError: inputs_embeds cannot be None"),
+                                         ("argument", "TypeError: topk(): argument 'k'")])
+def test_an_error_the_workloads_own_code_raises_is_reported_without_a_real_step(monkeypatch, tmp_path, error, says):
+    """A real step would raise it too, so none is run: for a model larger than the host, the answer was a
+    HostMemoryError blaming fake tensors; for one that fits, a real step that could only fail."""
+    marker = tmp_path / "real-step"
+    for available in (100_000, None):  # the model would not fit the host; it would
+        if available is not None:
+            monkeypatch.setattr(estimate_module, "available_host_bytes", lambda: available)
+        else:
+            monkeypatch.undo()
+        with pytest.raises(memfit.errors.WorkloadError, match=re.escape(f"training step raised: {says}")):
+            memfit.estimate(raising(marker, error), Config(micro_batch=2))
+        assert not marker.exists()

@@ -16,11 +16,12 @@ import contextlib
 import dataclasses
 import gc
 import os
+import re
 
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, EstimateError, HostMemoryError, MicroBatchError, WorkloadError
+from memfit.errors import ConfigError, EstimateError, HostMemoryError, MemfitError, MicroBatchError, WorkloadError
 from memfit.memory import allocator
 from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
@@ -159,16 +160,19 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
     check_node(dev, config.gpus_per_node)
     run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
-        return run(lambda: _trace(workload, config, dev, fake=True))
+        return run(lambda: _on_fake(workload, config, dev))
     except (WorkloadError, ConfigError):
         raise
     except Exception as fake_error:  # data-dependent shapes, `.item()`, an op fake tensors lack, a crash
         reason = first_line(fake_error)
         partial = getattr(fake_error, "memfit_partial", None)
-    if config.gpus > 1:
+        own = getattr(fake_error, "memfit_workload_raised", False)
+    if config.gpus > 1 and not own:
         raise EstimateError(f"{workload.name}: fake tensors could not follow the per-rank step ({reason}); across "
                             "ranks memfit traces on fake tensors only")
     try:
+        if own:  # a real step would raise it too: none is run (for a large model, none could be)
+            raise WorkloadError(f"the workload's training step raised: {reason}")
         return run(lambda: _fallback(workload, config, dev, reason, partial))
     except WorkloadError:  # the real step failed too: at micro-batch 1, say whether 2 would train
         if config.micro_batch != 1 or not _traces_at(run, workload, config, dev, PROBES_WITHOUT_1[0]):
@@ -233,6 +237,36 @@ def outside_tensors(dev: Device, config: Config) -> int:
 
 
 # ------------------------------------------------------------------------------------------- the trace
+
+def _on_fake(workload: Workload, config: Config, dev: Device) -> Probe:
+    """`_trace` on fake tensors; an error it raises says whether the workload raised it (`_raised_by_workload`)."""
+    try:
+        return _trace(workload, config, dev, fake=True)
+    except Exception as e:
+        e.memfit_workload_raised = _raised_by_workload(e)
+        raise
+
+
+# Errors fake tensors do not cause, when raised by a `raise` in the workload's own code (its model, loss or
+# batch: outside torch and memfit), or by torch's argument parser before any kernel runs: a real step raises
+# them too. Fake tensors' own failures (data-dependent values, missing meta kernels) are RuntimeErrors or
+# NotImplementedErrors, and torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
+_WORKLOAD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, AssertionError, NameError,
+                    ZeroDivisionError)
+_ARGUMENT_PARSER = re.compile(r"^[\w.]+\(\)(: argument '\w+'| received an invalid combination of arguments)")
+_NOT_THE_WORKLOADS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+def _raised_by_workload(e: BaseException) -> bool:
+    if not isinstance(e, _WORKLOAD_ERRORS) or isinstance(e, MemfitError):
+        return False
+    if isinstance(e, TypeError) and _ARGUMENT_PARSER.match(str(e)):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_NOT_THE_WORKLOADS)
+
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:
     return _traces(workload, config, dev, fake, [config.rank_batch], routing_bound=fake)[0]

@@ -83,6 +83,7 @@ def _child(fn: Callable, path: str) -> None:
         except Exception:  # not picklable: keep its name, first line and the notes memfit attached to it
             error = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             error.memfit_partial = getattr(e, "memfit_partial", None)
+            error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
             result = ("error", error)
     _write_and_exit(path, result)
 
