@@ -1,6 +1,7 @@
 """The planner: budgets, fixed choices, fit confirmed by full estimates, the max-micro-batch question,
 and the step-time model's basic orderings."""
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from memfit.cli import main
 from memfit.memory.devices import get_device
 from memfit.planner.costmodel import Profile, catalogue_profile, step_seconds
 from memfit.memory.estimate import probe
+from memfit.memory.isolate import run_isolated_many
 from memfit.memory.tracker import OpTrace
 from memfit.planner.search import MARGIN, PlanError, max_micro_batch, plan, price, resolve_budget
 from memfit.workloads import builtin
@@ -479,11 +481,15 @@ def test_a_deep_model_is_predicted_from_two_shallow_copies():
         assert stack_depth(wl.model()) == 12 and stack_depth(shallow(wl, 4).model()) == 4
     uneven = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]))
     assert stack_depth(uneven) is None
-    for device, base in [("cpu", Config(activation_checkpoint="all")),
-                         ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]:
-        dev, cpu = get_device(device), device == "cpu"
-        whole = _Family(base, probe_pair(wl, base, dev)[0])
-        deep = _DeepFamily(*(_Family(base, probe_pair(shallow(wl, k), base, dev)[0]) for k in DEPTHS), 12)
+    cases = [("cpu", Config(activation_checkpoint="all")), ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]
+    traced = run_isolated_many([functools.partial(probe_pair, w, base, get_device(device)) for device, base in cases
+                                for w in (wl, *(shallow(wl, k) for k in DEPTHS))])  # in parallel, a core each
+    assert all(kind == "ok" for kind, _ in traced), traced
+    for i, (device, base) in enumerate(cases):
+        cpu = device == "cpu"
+        (_, (whole, _)), *copies = traced[3 * i:3 * i + 3]
+        whole = _Family(base, whole)
+        deep = _DeepFamily(*(_Family(base, value[0]) for _, value in copies), 12)
         for m in (1, 8, 64):
             assert deep.memory(m, 2, cpu) == pytest.approx(whole.memory(m, 2, cpu), rel=0 if cpu else 0.01)
             assert deep.seconds(FLAT, m, 2) == pytest.approx(whole.seconds(FLAT, m, 2), rel=1e-6)
