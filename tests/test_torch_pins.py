@@ -30,6 +30,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
     pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
     pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
+    pinned |= {"storage_uses"}  # autograd's gradient sums, in place where a real step's are
     assert set(ti.__all__) == pinned
 
 
@@ -92,6 +93,26 @@ def test_data_dependent_ops_are_refused_by_fake_tensors():
 def test_storage_key_identifies_real_storages_shared_by_views():
     x = torch.zeros(16)
     assert ti.storage_key(x[4:]) == ti.storage_key(x) != ti.storage_key(x.clone())
+
+
+def test_storage_uses_count_views_and_autograd_sums_a_gradient_in_place_only_outside_dispatch_modes():
+    """What memory.tracker.GradientSums relies on: autograd's engine sums two gradients of one tensor into the
+    buffer it alone holds (add_), but under a dispatch mode (or on fake tensors) makes a new tensor (add)."""
+    x = torch.zeros(16)
+    alone = ti.storage_uses(x)
+    view = x[4:]
+    assert ti.storage_uses(x) == alone + 1 and ti.storage_uses(view) == alone + 1
+
+    w = torch.randn(8, 100, requires_grad=True)
+    y = w.exp()
+    loss = (y[:, :60] * 2).sum() + (y[:, 40:] * 3).sum()  # two slices: two gradients of y, summed
+    with torch.profiler.profile() as prof:
+        loss.backward(retain_graph=True)
+    assert "aten::add_" in {e.name for e in prof.events()}
+    spy, w.grad = _Spy(), None
+    with spy:
+        loss.backward()
+    assert torch.ops.aten.add.Tensor in spy.seen and torch.ops.aten.add_.Tensor not in spy.seen
 
 
 class _Spy(ti.TorchDispatchMode):

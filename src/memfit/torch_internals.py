@@ -27,7 +27,7 @@ __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "D
            "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable",
            "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
            "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies",
-           "storage_key", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
+           "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
            "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
@@ -55,6 +55,11 @@ def import_dynamo() -> None:
     """Import torch._dynamo, which fake tracing imports on first use (~1 s): done once in a parent, every
     forked tracing child inherits it."""
     import torch._dynamo  # noqa: F401
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """References to t's storage: one per tensor (view) over it, and one for its Python wrapper if made."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:

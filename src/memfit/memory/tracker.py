@@ -27,12 +27,13 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import DEVICE_QUERY, TorchDispatchMode, answer_device_query, detach_sharing_version, \
-    held_by, storage_key, tree_leaves
+from memfit.torch_internals import DEVICE_QUERY, FakeTensor, TorchDispatchMode, answer_device_query, \
+    detach_sharing_version, held_by, storage_key, storage_uses, tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -187,6 +188,8 @@ class LiveBytes(_Scoped):
         self._active = True
         self.failed_at: tuple[str, Phase, str] | None = None  # (module, phase, op) of the first op that raised
         self.recorder: OpRecorder | None = None  # shown every op counted (`recording`)
+        self.sums: GradientSums | None = None  # on fake tensors: autograd's gradient sums, as a real step makes them
+        self._born_uses: dict[int, int] = {}  # with `sums`: a storage's references when it was made, by id
 
     # -- what the step tells the tracker
     def mark(self, phase: str) -> None:
@@ -266,6 +269,8 @@ class LiveBytes(_Scoped):
         key = self._allocate(nbytes, op, tuple(t.shape), str(t.dtype).replace("torch.", ""), category)
         self._uids[address] = key
         self.live[key] = nbytes
+        if self.sums is not None:
+            self._born_uses[key] = storage_uses(t)
         weakref.finalize(st, self._free, address, key)
 
     def _allocate(self, nbytes: int, op: str, shape: tuple, dtype: str, category: Category | None) -> int:
@@ -332,9 +337,22 @@ class LiveBytes(_Scoped):
             return
         del self._uids[address]
         nbytes = self.live.pop(key)
+        self._born_uses.pop(key, None)
         if self.detail and nbytes:
             self.events.append((key, -nbytes))
         self.current -= nbytes
+
+    def _sums_in_place(self, args, kwargs) -> bool:
+        """Whether a real step adds these two gradients of one tensor into the first (autograd's
+        InputBuffer::accumulate): plain tensors, grad mode off, the first dense and with no other tensor over
+        its storage than when it was made. A buffer shared by two inputs of one node is not seen (rare)."""
+        if kwargs or len(args) != 2:
+            return False
+        old, new = args
+        key = self.uid(old) if type(old) is FakeTensor else None
+        return (key is not None and type(new) is FakeTensor and old is not new and old.shape == new.shape
+                and old.dtype == new.dtype and not torch.is_grad_enabled() and _dense(old)
+                and storage_uses(old) <= self._born_uses.get(key, 0))
 
     def live_at_peak(self) -> dict[int, int]:
         live: dict[int, int] = {}
@@ -351,6 +369,8 @@ class LiveBytes(_Scoped):
             return answer_device_query(args, kwargs)
         if _Scoped.quiet:
             return func(*args, **kwargs)
+        if func is _ADD and self.sums is not None and self.sums.summing and self._sums_in_place(args, kwargs):
+            func = _ADD_IN_PLACE  # into the buffer autograd's engine alone holds, as a real step adds
         try:
             # meta kernels that size outputs wrong; a GPU target (its host apart) runs CUDA's kernels
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs), cpu=not self.host_apart)
@@ -368,6 +388,64 @@ class LiveBytes(_Scoped):
         if self.recorder is not None:
             self.recorder.saw(func, args, kwargs, out)
         return out
+
+
+_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides, sorted, are a contiguous tensor's (any order of dimensions)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class GradientSums(TorchFunctionMode):
+    """Marks when autograd's engine sums gradients, for `LiveBytes` on fake tensors.
+
+    When a tensor gets a gradient from two uses (two slices of it, a residual), the engine adds the second
+    into the first's buffer if it holds the only reference to it (`old.add_(new)`), but never into a tensor
+    subclass: on fake tensors, and under any dispatch mode, it makes a new tensor (`old + new`), which a real
+    step does not hold (pegasus_x's sliced attention probabilities: +20%). The engine sums after a node's
+    backward returns and before the next node starts, so every backward call's graph gets a post-hook (sums
+    follow: `summing`) and a pre-hook (a node's own ops follow) on each node."""
+
+    _CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+    def __init__(self):
+        super().__init__()
+        self.summing = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self._CALLS:
+            return func(*args, **kwargs)
+        roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
+        roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+        handles, seen = [], set()
+        todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor)]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            handles += [node.register_prehook(self._starts), node.register_hook(self._ends)]
+            todo += [next_node for next_node, _ in node.next_functions]
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.summing = False
+            for handle in handles:
+                handle.remove()
+
+    def _starts(self, grad_outputs):
+        self.summing = False
+
+    def _ends(self, grad_inputs, grad_outputs):
+        self.summing = True
 
 
 @dataclasses.dataclass
