@@ -188,7 +188,9 @@ class LiveBytes(_Scoped):
         self._active = True
         self.failed_at: tuple[str, Phase, str] | None = None  # (module, phase, op) of the first op that raised
         self.recorder: OpRecorder | None = None  # shown every op counted (`recording`)
-        self.sums: GradientSums | None = None  # on fake tensors: autograd's gradient sums, as a real step makes them
+        # autograd's gradient sums made as a step without dispatch modes makes them (on real tensors only where
+        # the values need not be exact: a test's measured step; a run never sets it)
+        self.sums: GradientSums | None = None
         self._born_uses: dict[int, int] = {}  # with `sums`: a storage's references when it was made, by id
 
     # -- what the step tells the tracker
@@ -349,8 +351,8 @@ class LiveBytes(_Scoped):
         if kwargs or len(args) != 2:
             return False
         old, new = args
-        key = self.uid(old) if type(old) is FakeTensor else None
-        return (key is not None and type(new) is FakeTensor and old is not new and old.shape == new.shape
+        key = self.uid(old) if type(old) in _PLAIN else None
+        return (key is not None and type(new) in _PLAIN and old is not new and old.shape == new.shape
                 and old.dtype == new.dtype and not torch.is_grad_enabled() and _dense(old)
                 and storage_uses(old) <= self._born_uses.get(key, 0))
 
@@ -391,6 +393,7 @@ class LiveBytes(_Scoped):
 
 
 _ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: autograd never adds into one in place
 
 
 def _dense(t: torch.Tensor) -> bool:
