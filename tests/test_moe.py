@@ -17,7 +17,7 @@ from memfit.memory.fake import is_fake, new_fake_mode
 from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.routing import MAX_CHOICES, Routing, assumed_choices
-from memfit.memory.tracker import GradientSums, LiveBytes
+from memfit.memory.tracker import LiveBytes
 from memfit.report.tables import estimate_view
 from memfit.step import TrainStep
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, TorchDispatchMode
@@ -78,9 +78,7 @@ def measured_peak(workload: Workload, config: Config, forced: Forced) -> int:
     batch = workload.batch(config.global_batch)
     tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces())  # as measure_step's own
     tracker.track(tensors_of(batch))
-    # autograd's gradient sums in place where a step without dispatch modes (this tracker, `forced`) makes them
-    tracker.sums = GradientSums()
-    with forced, tracker.sums:
+    with forced:
         _, peak = measure_step(step, batch, tracker)
     return peak.bytes
 

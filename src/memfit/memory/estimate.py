@@ -415,9 +415,9 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     step.on_phase = on_phase
     step.move = lambda b, d: _tag(tracker, move(b, d))
     scope = ModuleScope(step.model, tracker, recorder)
-    tracker.sums = GradientSums() if mode is not None else None
+    tracker.sums = GradientSums()
     try:
-        with seeing_saved(pack), tracker.recording(recorder), tracker.sums or contextlib.nullcontext(), \
+        with seeing_saved(pack), tracker.recording(recorder), tracker.sums, \
                 chunks_traced_once(recorder) if mode is not None else contextlib.nullcontext():
             step(batch)
     except Exception as e:

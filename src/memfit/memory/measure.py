@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from memfit.memory.kernels import CpuWorkspaces
-from memfit.memory.tracker import LiveBytes
+from memfit.memory.tracker import GradientSums, LiveBytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ def measure_step(step, batch, tracker: LiveBytes | None = None) -> tuple[torch.T
     counter = tracker or LiveBytes(step.device.type, detail=False, workspace=CpuWorkspaces())
     counter.track(step.state_tensors())
     counter.peak = counter.current  # a kept counter's peak is the previous step's
-    with counter:
+    counter.sums = GradientSums()  # the counter is a dispatch mode: autograd then sums gradients out of place
+    with counter, counter.sums:
         loss = step(batch)
     if counter is not tracker:
         counter.close()

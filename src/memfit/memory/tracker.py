@@ -188,9 +188,7 @@ class LiveBytes(_Scoped):
         self._active = True
         self.failed_at: tuple[str, Phase, str] | None = None  # (module, phase, op) of the first op that raised
         self.recorder: OpRecorder | None = None  # shown every op counted (`recording`)
-        # autograd's gradient sums made as a step without dispatch modes makes them (on real tensors only where
-        # the values need not be exact: a test's measured step; a run never sets it)
-        self.sums: GradientSums | None = None
+        self.sums: GradientSums | None = None  # counts autograd's gradient sums as a step without dispatch modes
         self._born_uses: dict[int, int] = {}  # with `sums`: a storage's references when it was made, by id
 
     # -- what the step tells the tracker
@@ -329,7 +327,7 @@ class LiveBytes(_Scoped):
             self.events.append((key, -nbytes))
 
     def _free(self, address: int, key: int) -> None:
-        if not self._active:
+        if not self._active or self._uids.get(address) != key:  # (a storage a gradient sum's took over)
             return
         if key in self.host_live:
             del self._uids[address]
@@ -345,9 +343,10 @@ class LiveBytes(_Scoped):
         self.current -= nbytes
 
     def _sums_in_place(self, args, kwargs) -> bool:
-        """Whether a real step adds these two gradients of one tensor into the first (autograd's
-        InputBuffer::accumulate): plain tensors, grad mode off, the first dense and with no other tensor over
-        its storage than when it was made. A buffer shared by two inputs of one node is not seen (rare)."""
+        """Whether a step without dispatch modes adds these two gradients of one tensor into the first
+        (autograd's InputBuffer::accumulate): plain tensors, grad mode off, the first dense and with no other
+        tensor over its storage than when it was made. Another reference to the first tensor itself (one
+        gradient passed to two inputs of a node) is not seen (rare)."""
         if kwargs or len(args) != 2:
             return False
         old, new = args
@@ -355,6 +354,14 @@ class LiveBytes(_Scoped):
         return (key is not None and type(new) in _PLAIN and old is not new and old.shape == new.shape
                 and old.dtype == new.dtype and not torch.is_grad_enabled() and _dense(old)
                 and storage_uses(old) <= self._born_uses.get(key, 0))
+
+    def _take_over(self, old: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` is the sum a real step makes in `old`'s storage: it takes old's allocation over (no new
+        bytes), and old's storage, which the engine lets go at once, frees nothing. The values are untouched."""
+        key = self._uids.pop(storage_key(old))
+        st = out.untyped_storage()
+        self._uids[storage_key(st)] = key
+        weakref.finalize(st, self._free, storage_key(st), key)
 
     def live_at_peak(self) -> dict[int, int]:
         live: dict[int, int] = {}
@@ -371,8 +378,7 @@ class LiveBytes(_Scoped):
             return answer_device_query(args, kwargs)
         if _Scoped.quiet:
             return func(*args, **kwargs)
-        if func is _ADD and self.sums is not None and self.sums.summing and self._sums_in_place(args, kwargs):
-            func = _ADD_IN_PLACE  # into the buffer autograd's engine alone holds, as a real step adds
+        summed = func is _ADD and self.sums is not None and self.sums.summing and self._sums_in_place(args, kwargs)
         try:
             # meta kernels that size outputs wrong; a GPU target (its host apart) runs CUDA's kernels
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs), cpu=not self.host_apart)
@@ -380,6 +386,8 @@ class LiveBytes(_Scoped):
             if self.failed_at is None:  # the module stack unwinds as the error leaves: note where it was
                 self.failed_at = (self.module, self.phase, getattr(func, "__name__", str(func)))
             raise
+        if summed and self._active:  # a real step adds into the buffer autograd's engine alone holds
+            self._take_over(args[0], out)
         if self._active:
             name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
             for t in _tensors(out):
@@ -407,14 +415,16 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 class GradientSums(TorchFunctionMode):
-    """Marks when autograd's engine sums gradients, for `LiveBytes` on fake tensors.
+    """Marks when autograd's engine sums gradients, for `LiveBytes.sums`.
 
     When a tensor gets a gradient from two uses (two slices of it, a residual), the engine adds the second
     into the first's buffer if it holds the only reference to it (`old.add_(new)`), but never into a tensor
-    subclass: on fake tensors, and under any dispatch mode, it makes a new tensor (`old + new`), which a real
-    step does not hold (pegasus_x's sliced attention probabilities: +20%). The engine sums after a node's
-    backward returns and before the next node starts, so every backward call's graph gets a post-hook (sums
-    follow: `summing`) and a pre-hook (a node's own ops follow) on each node."""
+    subclass, and with a dispatch mode active every tensor counts as one: on fake tensors and under memfit's
+    counter it makes a new tensor (`old + new`), which a step without them does not hold (pegasus_x's sliced
+    attention probabilities: +20%). LiveBytes counts such a sum as made in place; the values are untouched.
+    The engine sums after a node's backward returns and before the next node starts, so every backward
+    call's graph gets a post-hook (sums follow: `summing`) and a pre-hook (a node's own ops follow) on each
+    node."""
 
     _CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
