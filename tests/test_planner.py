@@ -481,7 +481,8 @@ def test_a_deep_model_is_predicted_from_two_shallow_copies():
         assert stack_depth(wl.model()) == 12 and stack_depth(shallow(wl, 4).model()) == 4
     uneven = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]))
     assert stack_depth(uneven) is None
-    cases = [("cpu", Config(activation_checkpoint="all")), ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]
+    cases = [("cpu", Config(activation_checkpoint="all")),
+             ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]
     traced = run_isolated_many([functools.partial(probe_pair, w, base, get_device(device)) for device, base in cases
                                 for w in (wl, *(shallow(wl, k) for k in DEPTHS))])  # in parallel, a core each
     assert all(kind == "ok" for kind, _ in traced), traced

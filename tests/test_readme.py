@@ -5,8 +5,9 @@ a fresh folder holding a copy of `examples/` -- what a user typing them from the
 with a fresh calibration cache (MEMFIT_CACHE), as on a new machine. Each line goes, split as a shell splits
 it, to the function the installed `memfit` script calls (`memfit.cli.main`), in this process: a fresh
 interpreter per line cost ~1.6 s each (importing torch) and tests nothing of the README's (test_cli runs the
-installed script itself). Each Python block is run in its own interpreter. A block opening with `# from <path>` shows part of
-a shipped file: it is checked to be a verbatim excerpt of that file instead of being run.
+installed script itself). Each Python block is run in its own interpreter. A block opening with
+`# from <path>` shows part of a shipped file: it is checked to be a verbatim excerpt of that file instead
+of being run.
 
 Convention for lines that need hardware: a bash line ending in the comment `# needs a GPU` is run only where
 torch sees a CUDA device and skipped elsewhere, and any line naming `--device cuda` must carry that marker.

@@ -8,6 +8,8 @@
 
 When both run, `LiveBytes.recording(recorder)` does what stacking them does (`with counter, recorder:`) in
 one mode: each of the modes stacked costs every op a round trip through the dispatcher (~5% of a fake trace).
+`GradientSums`, a function mode beside them, marks where autograd's engine sums gradients, which a dispatch
+mode (or a fake tensor) makes it do out of place: `LiveBytes` counts them as a step without one makes them.
 
 A `TorchDispatchMode` sees every tensor an aten op creates (below autograd, so the backward pass and the
 optimizer are seen too). Bytes are counted per storage, so views and in-place results cost nothing, and a
@@ -327,7 +329,7 @@ class LiveBytes(_Scoped):
             self.events.append((key, -nbytes))
 
     def _free(self, address: int, key: int) -> None:
-        if not self._active or self._uids.get(address) != key:  # (a storage a gradient sum's took over)
+        if not self._active or self._uids.get(address) != key:  # (a buffer whose gradient sum took it over)
             return
         if key in self.host_live:
             del self._uids[address]
@@ -400,7 +402,7 @@ class LiveBytes(_Scoped):
         return out
 
 
-_ADD, _ADD_IN_PLACE = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_ADD = torch.ops.aten.add.Tensor
 _PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: autograd never adds into one in place
 
 
