@@ -29,7 +29,7 @@ from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_i
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, GradientSums, LiveBytes, ModuleScope,
-                                   OpRecorder, OpTrace, Phase, seeing_saved)
+                                   OpRecorder, OpTrace, Phase, machinery, seeing_saved)
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
@@ -248,13 +248,12 @@ def _on_fake(workload: Workload, config: Config, dev: Device) -> Probe:
 
 
 # Errors fake tensors do not cause, when raised by a `raise` in the workload's own code (its model, loss or
-# batch: outside torch and memfit), or by torch's argument parser before any kernel runs: a real step raises
+# batch: not `tracker.machinery`), or by torch's argument parser before any kernel runs: a real step raises
 # them too. Fake tensors' own failures (data-dependent values, missing meta kernels) are RuntimeErrors or
 # NotImplementedErrors, and torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
 _WORKLOAD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, AssertionError, NameError,
                     ZeroDivisionError)
 _ARGUMENT_PARSER = re.compile(r"^[\w.]+\(\)(: argument '\w+'| received an invalid combination of arguments)")
-_NOT_THE_WORKLOADS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
 
 
 def _raised_by_workload(e: BaseException) -> bool:
@@ -265,7 +264,7 @@ def _raised_by_workload(e: BaseException) -> bool:
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_NOT_THE_WORKLOADS)
+    return tb is not None and not machinery(tb.tb_frame.f_code.co_filename)
 
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:

@@ -99,7 +99,9 @@ _WORKLOADS = os.path.join(_MEMFIT, "workloads", "")
 
 
 @functools.cache  # asked for every frame of every allocation's stack
-def _machinery(filename: str) -> bool:
+def machinery(filename: str) -> bool:
+    """Whether code in `filename` is the machinery (torch, the standard library, memfit's engine), not the
+    workload's (its model, loss, batch; memfit's built-in workloads included)."""
     if filename.startswith(_MACHINERY) or filename.startswith("<"):
         return True
     return filename.startswith(_MEMFIT) and not filename.startswith(_WORKLOADS)
@@ -114,7 +116,7 @@ def source_line() -> str:
         filename = frame.f_code.co_filename
         if filename == _STEP:
             return ""
-        if not _machinery(filename):
+        if not machinery(filename):
             return f"{short_path(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
