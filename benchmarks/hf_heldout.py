@@ -48,8 +48,13 @@ SMALL = dict(hidden_size=64, d_model=64, n_embd=64, embed_dim=64, dim=64, num_hi
 TIMEOUT = 120
 
 
+SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+                  "decoder_start_token_id")
+
+
 def toy(model_type: str):
-    """The default config with every integer size field it has set to SMALL's value."""
+    """The default config with every integer size field it has set to SMALL's value, and special token ids
+    past the small vocabulary taken modulo its size (an embedding refuses a padding index outside it)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
@@ -57,16 +62,28 @@ def toy(model_type: str):
         current = getattr(cfg, name, None)
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(cfg, name, value)
+    vocab = getattr(cfg, "vocab_size", None)
+    for name in SPECIAL_TOKENS if isinstance(vocab, int) and vocab == SMALL["vocab_size"] else ():
+        current = getattr(cfg, name, None)
+        if isinstance(current, int) and not isinstance(current, bool) and current >= vocab:
+            setattr(cfg, name, current % vocab)
     return cfg
 
 
-def one(model_type: str, precision: str) -> dict:
+def classifiers() -> list[str]:
+    from transformers.models.auto import modeling_auto as ma
+
+    return sorted(ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+
+
+def one(model_type: str, precision: str, task: str | None = None) -> dict:
     from memfit.workloads import hf
 
-    row = {"arch": model_type, "precision": precision}
+    row = {"arch": model_type, "precision": precision, **({"task": task} if task else {})}
     try:
         cfg = toy(model_type)
-        wl = hf.from_config(cfg, name=f"hf:{model_type}", **({} if hf.pick_task(cfg) == "image" else {"seq": 64}))
+        wl = hf.from_config(cfg, name=f"hf:{model_type}", task=task,
+                            **({} if (task or hf.pick_task(cfg)) == "image" else {"seq": 64}))
         config = memfit.Config(micro_batch=2, precision=precision)
         try:
             est = memfit.estimate(wl, config)
@@ -87,6 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated model types (default: ARCHITECTURES)")
     ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--task", help="train this head (e.g. classification: every model type of transformers' "
+                                   "sequence-classification table unless --only)")
     ap.add_argument("--out", default=str(HERE / "results" / "hf_heldout.json"))
     args = ap.parse_args()
 
@@ -96,10 +115,11 @@ def main() -> None:
     signal.signal(signal.SIGALRM, too_long)
     rows = []
     for precision in args.precisions.split(","):
-        for arch in (args.only.split(",") if args.only else ARCHITECTURES):
+        for arch in (args.only.split(",") if args.only else classifiers() if args.task == "classification"
+                     else ARCHITECTURES):
             signal.alarm(TIMEOUT)
             try:
-                row = one(arch, precision)
+                row = one(arch, precision, args.task)
             except TimeoutError as e:
                 row = {"arch": arch, "precision": precision, "error": str(e)}
             finally:

@@ -182,6 +182,27 @@ def test_naflex_images_are_patch_sequences_and_siglip2_matches_the_profiler():
     assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
 
 
+def test_sequence_classifiers_train_their_head_and_match_the_profiler():
+    """Fine-tuning an encoder on labels and training a reward model (a decoder scoring its last token): a Hub
+    config naming a sequence-classification class trains that head, not the masked or causal LM one it would
+    otherwise get (a vocabulary-sized logits tensor a real run never makes)."""
+    bert = transformers.AutoConfig.for_model("bert", **hf.SMALL_CONFIGS["bert"], num_labels=3,
+                                             architectures=["BertForSequenceClassification"])
+    assert hf.pick_task(bert) == "classification"
+    wl = hf.from_config(bert, seq=32)
+    b = wl.batch(4)
+    assert b["labels"].shape == (4,) and b["labels"].dtype == torch.long and b["labels"].max() < 3
+    assert type(wl.model()).__name__ == "BertForSequenceClassification"
+    # one label: a score, trained by regression on float targets; a decoder without a padding id gets one
+    reward = hf.from_config(transformers.AutoConfig.for_model("llama", **hf.SMALL_CONFIGS["llama"], num_labels=1),
+                            seq=32, task="classification")
+    assert reward.batch(2)["labels"].dtype == torch.float32 and reward.model().score.out_features == 1
+    for w, precision in ((wl, "bf16"), (reward, "fp32")):
+        cfg = Config(micro_batch=2, precision=precision)
+        est = memfit.estimate(w, cfg)
+        assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(w, cfg), rel=0.001)
+
+
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():
     """transformers skips an attention mask of all ones after reading it, which it cannot do on fake tensors;
     with its gradient checkpointing the mask it built instead sat at the peak (+0.9% fp32, +2.6% fp16 on

@@ -53,7 +53,7 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
                         topk_group=1, n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=32),
 }
-TASKS = ("causal", "masked", "seq2seq", "image", "contrastive")
+TASKS = ("causal", "masked", "seq2seq", "image", "contrastive", "classification")
 # Causal LMs whose loss assumes an image's tokens before the text (GIT drops that many logits): their
 # batches carry images too.
 IMAGE_PREFIXED = frozenset({"git"})
@@ -173,7 +173,8 @@ def _task_tables() -> dict[str, dict]:
     return {"causal": ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "masked": ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
             "seq2seq": ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
             "image": ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
-            "contrastive": ma.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+            "contrastive": ma.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+            "classification": ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
 
 
 def _class_names(entry) -> tuple[str, ...]:
@@ -184,7 +185,9 @@ def pick_task(config) -> str:
     """Which head trains this architecture. A config from the Hub names the class it was published as
     (`architectures`), and that class's head wins. Otherwise: seq2seq for encoder-decoders, masked LM for
     encoders (BERT-likes sit in both the masked and the causal tables), causal LM for decoders, image
-    classification for vision models, contrastive image-text training for CLIP-likes outside that table."""
+    classification for vision models, contrastive image-text training for CLIP-likes outside that table.
+    Sequence classification (fine-tuning an encoder on labels, a reward model) only where the config names
+    such a class: nearly every text model type has that head too."""
     tables = _task_tables()
     for arch in getattr(config, "architectures", None) or ():
         for task, table in tables.items():
@@ -199,7 +202,7 @@ def pick_task(config) -> str:
         if model_type in tables[task]:
             return task
     raise WorkloadError(f"hf: no training head for model_type {model_type!r} (memfit builds causal, masked and "
-                        "seq2seq LMs, image classifiers and CLIP-style image-text models)")
+                        "seq2seq LMs, sequence and image classifiers and CLIP-style image-text models)")
 
 
 # Architectures with a learned table of absolute positions, which caps the sequence length. Rotary,
@@ -226,7 +229,7 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     """A training workload for a transformers architecture. `config` is a PretrainedConfig, a path to a
     local config.json, a Hub id whose config.json is in the local cache, or a model type (`llama`, `gpt2`,
     `bert`, `t5` get small shapes). `task` forces the head (causal / masked / seq2seq / image /
-    contrastive). `seq` is the token length (default 128; for contrastive models the text model's
+    contrastive / classification: one label per sequence, a score where the config has one label). `seq` is the token length (default 128; for contrastive models the text model's
     positions, 77 for CLIP), `target_seq` the decoder length for seq2seq (default seq), `image_size` the
     side of the images (default the config's, else 224)."""
     transformers = _transformers()
@@ -268,19 +271,26 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         raise WorkloadError(f"hf: the {cfg.model_type} config has no vocab_size")
     auto_cls = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
                 "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
-                "contrastive": transformers.AutoModelForZeroShotImageClassification}[task]
+                "contrastive": transformers.AutoModelForZeroShotImageClassification,
+                "classification": transformers.AutoModelForSequenceClassification}[task]
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # training never reads a KV cache; building one would only hold memory
-    if task == "seq2seq" and getattr(cfg, "decoder_start_token_id", None) is None:
+    encoder_decoder = task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False)  # T5 classifies via its decoder
+    if encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
         # Newer transformers keep it in the generation config, but the model shifts labels with it.
         pad = getattr(cfg, "pad_token_id", None)
         cfg.decoder_start_token_id = pad if pad is not None else 0
-    if task == "seq2seq" and getattr(cfg, "pad_token_id", None) is None:
-        cfg.pad_token_id = 0  # shifting labels right needs one (it replaces -100s, which these labels lack)
+    if task in ("seq2seq", "classification") and getattr(cfg, "pad_token_id", None) is None:
+        # seq2seq: shifting labels right needs one (it replaces -100s, which these labels lack); a decoder
+        # classifies a row at its last token before padding and refuses a batch without a padding id
+        cfg.pad_token_id = 0
     if not getattr(cfg, "architectures", None):
         # Where one model type has several classes for a head (DeiT, LeViT), transformers picks by this list
         # and fails without one; the table's first class is the one it would build.
         cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
+    eos = getattr(cfg, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    eos = eos if isinstance(eos, int) and 0 <= eos < (vocab or 0) else None
     with_images = task in ("image", "contrastive") or cfg.model_type in IMAGE_PREFIXED
     takes = inspect.signature(_model_class(cfg, task).forward).parameters if task != "image" else {}
     images = _image_batch(cfg, task, image_size, seq) if with_images else None
@@ -316,6 +326,12 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         if task == "causal":
             text = {"input_ids": ids, "labels": ids.clone()}  # the model shifts labels itself
             return {**text, **images(n)} if images else text
+        if task == "classification":  # a class per row; one label is a score (regression), as a reward model's
+            if eos is not None:  # rows end as tokenized text does: BART-likes and T5 classify at the <eos>
+                ids = torch.where(ids == eos, (eos + 1) % vocab, ids)
+                ids[:, -1] = eos
+            labels = torch.randn(n) if cfg.num_labels == 1 else torch.randint(0, cfg.num_labels, (n,))
+            return {"input_ids": ids, "labels": labels}
         if task == "masked":
             chosen = torch.rand(n, seq) < 0.15
             chosen[:, 0] = True  # at least one target per row, or the mean loss would be 0/0
