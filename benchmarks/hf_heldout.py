@@ -44,36 +44,64 @@ SMALL = dict(hidden_size=64, d_model=64, n_embd=64, embed_dim=64, dim=64, num_hi
              n_heads=4, num_heads=4, encoder_attention_heads=4, decoder_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, ffn_dim=128, encoder_ffn_dim=128, decoder_ffn_dim=128, d_ff=128, n_inner=128,
              vocab_size=1000, max_position_embeddings=256, n_positions=256, head_dim=16, d_kv=16,
-             num_local_experts=4, num_experts=4, moe_intermediate_size=64, embedding_size=64, rotary_dim=8)
+             num_local_experts=4, num_experts=4, moe_intermediate_size=64, embedding_size=64, rotary_dim=8,
+             depth=2, out_hidden_size=64, projection_dim=64, mm_tokens_per_image=4)
 TIMEOUT = 120
 
 
-SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
-                  "decoder_start_token_id")
-
-
 def toy(model_type: str):
-    """The default config with every integer size field it has set to SMALL's value, and special token ids
-    past the small vocabulary taken modulo its size (an embedding refuses a padding index outside it)."""
+    """The default config with every integer size field it has set to SMALL's value, nested configs (a
+    vision-language model's text and vision models) too, images 4 patches a side, and token ids moved into
+    the small vocabulary (an embedding refuses a padding index outside it)."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(model_type)
+    cfg = shrink(transformers.AutoConfig.for_model(model_type))
+    _special_ids_in_vocab(cfg)
+    return cfg
+
+
+def _special_ids_in_vocab(cfg) -> None:
+    """Token ids a shrunk config names (image and vision-span tokens of a vision-language model sit at its
+    top level) moved into the small vocabulary: each distinct one past it to the top ids, kept apart."""
+    import transformers
+
+    configs, moved = [cfg], {}
+    for c in configs:
+        configs += [v for v in vars(c).values() if isinstance(v, transformers.PretrainedConfig)]
+    vocab = SMALL["vocab_size"]
+    for c in configs:
+        for name, value in list(vars(c).items()):
+            if (name.endswith("_token_id") or name.endswith("_token_index")) and isinstance(value, int) \
+                    and not isinstance(value, bool) and value >= vocab:
+                setattr(c, name, moved.setdefault(value, vocab - 1 - len(moved)))
+
+
+def shrink(cfg):
+    import transformers
+
+    for name, sub in list(vars(cfg).items()):
+        if isinstance(sub, transformers.PretrainedConfig):
+            shrink(sub)
+    patch, size = getattr(cfg, "patch_size", None), getattr(cfg, "image_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
+    if isinstance(patch, int) and isinstance(size, (int, list, tuple)):
+        cfg.image_size = 4 * patch if isinstance(size, int) else type(size)([4 * patch] * len(size))
+    rope = getattr(cfg, "rope_parameters", None)
+    # M-RoPE splits head_dim / 2 into sections (Qwen2-VL's code defaults to [16, 24, 24] where none is set)
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or "_vl" in cfg.model_type):
+        rope["mrope_section"] = [2, 3, 3][:len(rope.get("mrope_section", [0] * 3))]
     for name, value in SMALL.items():
         current = getattr(cfg, name, None)
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(cfg, name, value)
-    vocab = getattr(cfg, "vocab_size", None)
-    for name in SPECIAL_TOKENS if isinstance(vocab, int) and vocab == SMALL["vocab_size"] else ():
-        current = getattr(cfg, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current >= vocab:
-            setattr(cfg, name, current % vocab)
     return cfg
 
 
-def classifiers() -> list[str]:
-    from transformers.models.auto import modeling_auto as ma
+def table(task: str) -> list[str]:
+    """Every model type of transformers' table for `task` (classification, image-text, ...)."""
+    from memfit.workloads import hf
 
-    return sorted(ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    return sorted(hf._task_tables()[task])
 
 
 def one(model_type: str, precision: str, task: str | None = None) -> dict:
@@ -82,8 +110,9 @@ def one(model_type: str, precision: str, task: str | None = None) -> dict:
     row = {"arch": model_type, "precision": precision, **({"task": task} if task else {})}
     try:
         cfg = toy(model_type)
+        task = task or hf.pick_task(cfg)
         wl = hf.from_config(cfg, name=f"hf:{model_type}", task=task,
-                            **({} if (task or hf.pick_task(cfg)) == "image" else {"seq": 64}))
+                            **({} if task == "image" else {"seq": 128} if task == "image-text" else {"seq": 64}))
         config = memfit.Config(micro_batch=2, precision=precision)
         try:
             est = memfit.estimate(wl, config)
@@ -104,8 +133,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated model types (default: ARCHITECTURES)")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--task", help="train this head (e.g. classification: every model type of transformers' "
-                                   "sequence-classification table unless --only)")
+    ap.add_argument("--task", help="train this head (classification, image-text, ...): every model type of "
+                                   "transformers' table for it unless --only")
     ap.add_argument("--out", default=str(HERE / "results" / "hf_heldout.json"))
     args = ap.parse_args()
 
@@ -115,8 +144,7 @@ def main() -> None:
     signal.signal(signal.SIGALRM, too_long)
     rows = []
     for precision in args.precisions.split(","):
-        for arch in (args.only.split(",") if args.only else classifiers() if args.task == "classification"
-                     else ARCHITECTURES):
+        for arch in (args.only.split(",") if args.only else table(args.task) if args.task else ARCHITECTURES):
             signal.alarm(TIMEOUT)
             try:
                 row = one(arch, precision, args.task)

@@ -27,6 +27,17 @@ TINY = {
                                   vocab_size=100, max_position_embeddings=16),
                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                     image_size=32, patch_size=8), projection_dim=16),
+    "llava": dict(text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=100),
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8),
+                  image_token_id=99),
+    "qwen2_vl": dict(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=100,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3])),
+                     vision_config=dict(depth=1, embed_dim=32, hidden_size=32, out_hidden_size=32, num_heads=2,
+                                        patch_size=8, spatial_merge_size=2, temporal_patch_size=2),
+                     image_token_id=99, vision_start_token_id=97, vision_end_token_id=98, video_token_id=96),
     "siglip2": dict(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      vocab_size=100),
                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -201,6 +212,29 @@ def test_sequence_classifiers_train_their_head_and_match_the_profiler():
         cfg = Config(micro_batch=2, precision=precision)
         est = memfit.estimate(w, cfg)
         assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(w, cfg), rel=0.001)
+
+
+def test_vision_language_models_put_each_images_tokens_in_place_and_match_the_profiler():
+    """LLaVA (images as (n, C, H, W); the CLIP tower's 16 patches, CLS dropped, 16 tokens: counted by running
+    the tower on the meta device) and Qwen2-VL (each image's flattened patches and (t, h, w) grid, 4x4
+    patches merged 2x2 into 4 tokens, between vision-start and -end marks). Qwen2-VL's M-RoPE builds its
+    offsets with torch.tensor() of 0-dim tensors, which reads values outside the dispatcher: traced on fake
+    tensors from the values memfit keeps beside them."""
+    llava, qwen = tiny("llava", seq=32), tiny("qwen2_vl", seq=32, image_size=32)
+    assert hf.pick_task(transformers.AutoConfig.for_model("llava")) == "image-text"
+    b = llava.batch(3)
+    assert b["pixel_values"].shape == (3, 3, 32, 32) and ((b["input_ids"] == 99).sum(1) == 16).all()
+    assert ((b["labels"] == -100) == (b["input_ids"] == 99)).all()
+    b = qwen.batch(2)
+    assert b["pixel_values"].shape == (2, 16, 3 * 2 * 8 * 8) and b["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+    assert b["input_ids"][:, 1:7].tolist() == [[97, 99, 99, 99, 99, 98]] * 2
+    assert (b["mm_token_type_ids"] == (b["input_ids"] == 99)).all()
+    for wl, precision in ((llava, "bf16"), (qwen, "fp32")):
+        cfg = Config(micro_batch=2, precision=precision)
+        est = memfit.estimate(wl, cfg)
+        assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
+    with pytest.raises(WorkloadError, match="16 tokens per image; seq 16 leaves no text"):
+        tiny("llava", seq=16)
 
 
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():

@@ -92,6 +92,7 @@ _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.defa
 _EXACT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FINITE_CHECKS = {aten.isnan.default: False, aten.isinf.default: False, aten.isposinf.default: False,
                   aten.isneginf.default: False, aten.isfinite.default: True}
+_FROM_DATA = {torch.tensor, torch.as_tensor}
 _CTC = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
 _CTC_BACKWARD = {aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor}
 
@@ -123,7 +124,7 @@ class Routing(TorchDispatchMode):
         self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
     def __enter__(self):
-        self._format = _ShadowFormat(self).__enter__()
+        self._format = _ShadowValues(self).__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -364,9 +365,12 @@ class Routing(TorchDispatchMode):
             self.routers |= routers
 
 
-class _ShadowFormat(TorchFunctionMode):
-    """`f"{t}"` of a 0-dim tensor formats its number, but `Tensor.__format__` does that for plain tensors
-    only: a fake one formats as its repr. Switch Transformers picks each expert as `self[f"expert_{i}"]`."""
+class _ShadowValues(TorchFunctionMode):
+    """Two reads of values that bypass the dispatcher, answered from shadows:
+    - `f"{t}"` of a 0-dim tensor formats its number, but `Tensor.__format__` does that for plain tensors
+      only: a fake one formats as its repr. Switch Transformers picks each expert as `self[f"expert_{i}"]`.
+    - `torch.tensor([t0, t1])` of a list of tensors copies their values in C++, which a fake tensor has not
+      (Qwen2-VL's M-RoPE offsets, one 0-dim tensor per row): the shadows' values are copied instead."""
 
     def __init__(self, routing: Routing):
         super().__init__()
@@ -378,7 +382,27 @@ class _ShadowFormat(TorchFunctionMode):
             if s is not None:
                 self.routing._follow("format", s.routers)
                 return s.value.item().__format__(args[1])
+        if func in _FROM_DATA and args and isinstance(args[0], (list, tuple)):
+            data = self._values(args[0])
+            if data is not None:
+                args = (data, *args[1:])
         return func(*args, **(kwargs or {}))
+
+    def _values(self, data):
+        """`data` with each fake tensor in it replaced by its shadow's value; None where one has none."""
+        out = []
+        for x in data:
+            if isinstance(x, (list, tuple)):
+                x = self._values(x)
+            elif isinstance(x, torch.Tensor) and is_fake(x):
+                s = self.routing.shadow(x)
+                if s is not None:
+                    self.routing._follow("tensor", s.routers)
+                x = s.value if s is not None else None
+            if x is None:
+                return None
+            out.append(x)
+        return out
 
 
 def assumed_choices(assumption: str, rows: int, k: int, choices: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
                         topk_group=1, n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=32),
 }
-TASKS = ("causal", "masked", "seq2seq", "image", "contrastive", "classification")
+TASKS = ("causal", "masked", "seq2seq", "image", "contrastive", "classification", "image-text")
 # Causal LMs whose loss assumes an image's tokens before the text (GIT drops that many logits): their
 # batches carry images too.
 IMAGE_PREFIXED = frozenset({"git"})
@@ -174,7 +174,8 @@ def _task_tables() -> dict[str, dict]:
             "seq2seq": ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
             "image": ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
             "contrastive": ma.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES,
-            "classification": ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
+            "classification": ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+            "image-text": ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
 
 
 def _class_names(entry) -> tuple[str, ...]:
@@ -198,7 +199,7 @@ def pick_task(config) -> str:
         return "seq2seq"
     if model_type in tables["masked"] and not getattr(config, "is_decoder", False):
         return "masked"
-    for task in ("causal", "seq2seq", "image", "contrastive"):
+    for task in ("causal", "seq2seq", "image", "contrastive", "image-text"):
         if model_type in tables[task]:
             return task
     raise WorkloadError(f"hf: no training head for model_type {model_type!r} (memfit builds causal, masked and "
@@ -228,10 +229,12 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
                 target_seq: int | None = None, image_size: int | None = None) -> Workload:
     """A training workload for a transformers architecture. `config` is a PretrainedConfig, a path to a
     local config.json, a Hub id whose config.json is in the local cache, or a model type (`llama`, `gpt2`,
-    `bert`, `t5` get small shapes). `task` forces the head (causal / masked / seq2seq / image /
-    contrastive / classification: one label per sequence, a score where the config has one label). `seq` is the token length (default 128; for contrastive models the text model's
-    positions, 77 for CLIP), `target_seq` the decoder length for seq2seq (default seq), `image_size` the
-    side of the images (default the config's, else 224)."""
+    `bert`, `t5` get small shapes). `task` forces the head: causal / masked / seq2seq / image /
+    contrastive / classification (one label per sequence; a score where the config has one label) /
+    image-text (a vision-language model: one image per row, its tokens in place, the text after them).
+    `seq` is the token length (default 128; for contrastive models the text model's positions, 77 for
+    CLIP; image-text rows include the image's tokens), `target_seq` the decoder length for seq2seq
+    (default seq), `image_size` the side of the images (default the config's, else 224)."""
     transformers = _transformers()
     cfg = load_config(config)
     task = task or pick_task(cfg)
@@ -272,7 +275,8 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     auto_cls = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
                 "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
                 "contrastive": transformers.AutoModelForZeroShotImageClassification,
-                "classification": transformers.AutoModelForSequenceClassification}[task]
+                "classification": transformers.AutoModelForSequenceClassification,
+                "image-text": transformers.AutoModelForImageTextToText}[task]
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # training never reads a KV cache; building one would only hold memory
     encoder_decoder = task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False)  # T5 classifies via its decoder
@@ -306,6 +310,8 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
             m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype)
         return m.train()
 
+    vision = _image_text_batch(cfg, model, image_size, seq, takes) if task == "image-text" else None
+
     def batch(n: int) -> dict[str, torch.Tensor]:
         if task == "image":
             return images(n)
@@ -323,6 +329,8 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         n = len(ids)
         if task == "contrastive":
             return {"input_ids": ids, **images(n)}
+        if task == "image-text":
+            return vision(ids)
         if task == "causal":
             text = {"input_ids": ids, "labels": ids.clone()}  # the model shifts labels itself
             return {**text, **images(n)} if images else text
@@ -353,6 +361,9 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
             with _masks_as_in_a_real_run():
                 return chunked_cross_entropy(lambda: m(**rest), m.get_output_embeddings(), b["labels"],
                                              logits=lambda out: out.logits, shift=True)
+        if task == "image-text" and "patches_per_image" in b:  # patch rows of all images, one after another
+            b = {**{k: v for k, v in b.items() if k != "patches_per_image"},
+                 "pixel_values": b["pixel_values"].flatten(0, 1)}
         with _masks_as_in_a_real_run():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
         if getattr(out, "loss", None) is None:
@@ -410,3 +421,85 @@ def _image_batch(cfg, task: str, image_size: int | None, seq: int):
         return {**inputs, "labels": torch.randint(0, labels, (n,))}
 
     return images
+
+
+def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
+    """For a vision-language model: `ids -> batch`, one image per row. The image's placeholder tokens sit
+    after the row's first token, as many as the vision tower gives features for one image (counted by
+    running it on the meta device: projectors pool, crop or merge patches in ways no config field says),
+    and are left out of the loss, as chat templates and collators leave them. Two input layouts:
+    pixel_values (n, C, H, W) (LLaVA, PaliGemma, Gemma 3, InternVL, ...; with each image's size where the
+    vision tower needs it), or Qwen2-VL's rows of flattened patches with each image's (t, h, w) grid, kept
+    per row in the batch (so it splits into micro-batches) and joined in the loss; there an image is
+    t*h*w / merge**2 tokens, by the layout's definition (its vision tower reads the grid's values, which the
+    meta device has not)."""
+    vision = getattr(cfg, "vision_config", None) or cfg
+    token = getattr(cfg, "image_token_id", None)
+    token = getattr(cfg, "image_token_index", None) if token is None else token
+    if not isinstance(token, int):
+        raise WorkloadError(f"hf: {cfg.model_type} names no image token id, which memfit's image-text batches need")
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    grid = "image_grid_thw" in takes
+    if grid:  # Qwen2-VL: patch_size x patch_size x temporal_patch_size patches, merged merge x merge into a token
+        patch, merge = vision.patch_size, getattr(vision, "spatial_merge_size", 1)
+        temporal = getattr(vision, "temporal_patch_size", 1)
+        side = max(merge, round((image_size or DEFAULT_IMAGE_SIZE) / patch / merge) * merge)  # patches per side
+        pixels = torch.randn(1, side * side, channels * temporal * patch * patch)
+        extra = {"image_grid_thw": torch.tensor([[1, side, side]])}
+    else:
+        size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        pixels = torch.randn(1, channels, height, width)
+        extra = {"image_sizes": torch.tensor([[height, width]])} if "image_sizes" in takes else {}  # Pixtral's
+    if grid:
+        count = side * side // (merge * merge)
+    else:
+        try:
+            count = _image_tokens(build, pixels, {}, cfg.model_type)
+            extra = {}  # LLaVA takes sizes but, given them, splits features as Pixtral's variable-size images
+        except WorkloadError:
+            if not extra:
+                raise
+            count = _image_tokens(build, pixels, extra, cfg.model_type)
+    start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
+    marks = [t for t in (start, end) if isinstance(t, int)]
+    if count + len(marks) + 1 > seq:
+        raise WorkloadError(f"hf: {cfg.model_type} puts {count} tokens per image; seq {seq} leaves no text after them")
+    special = torch.tensor([token, *marks])
+
+    def batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = len(ids)
+        ids = torch.where(torch.isin(ids, special), 0, ids)  # text tokens only, then the image's in place
+        first = 1
+        if start is not None:
+            ids[:, first] = start
+            first += 1
+        ids[:, first:first + count] = token
+        if end is not None:
+            ids[:, first + count] = end
+        labels = torch.where(ids == token, -100, ids)
+        out = {"input_ids": ids, "labels": labels, "pixel_values": torch.randn(n, *pixels.shape[1:])}
+        if grid:
+            out["patches_per_image"] = torch.full((n,), pixels.shape[1])
+        if "mm_token_type_ids" in takes:  # as processors make it: 1 marks an image's tokens (M-RoPE reads it)
+            out["mm_token_type_ids"] = (ids == token).int()
+        return {**out, **{k: v.expand(n, *v.shape[1:]).clone() for k, v in extra.items()}}
+
+    return batch
+
+
+def _image_tokens(build, pixels: torch.Tensor, extra: dict, model_type: str) -> int:
+    """How many features the model's vision side makes of one image: its `get_image_features` run on the
+    meta device (no memory, no values)."""
+    try:
+        with torch.device("meta"):
+            model = build()
+            features = model.get_image_features(pixel_values=pixels.to("meta"), **extra)
+    except Exception as e:  # noqa: BLE001 - said in one line: the layout is not one memfit makes
+        raise WorkloadError(f"hf: could not count {model_type}'s tokens per image from its vision tower on the meta "
+                            f"device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); its inputs "
+                            "may need a layout memfit's image-text batches do not make") from None
+    features = getattr(features, "pooler_output", features)
+    if isinstance(features, torch.Tensor):
+        features = [features] if features.dim() == 2 else list(features)
+    return sum(f.shape[0] if f.dim() == 2 else f.shape[0] * f.shape[1] for f in features)
