@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 
+import contextlib
 import importlib
 import json
 import os
@@ -274,6 +275,58 @@ def test_softmax_kernels_copy_non_contiguous_inputs_first_on_the_cpu(dtype):
         assert counted(func, args, {}, out) == workspace_of(func, args, {}), (func, [a.is_contiguous() for a in
                                                                                     args[:2]])
     assert counted(*cases[-2], {}, cases[-2][0](*cases[-2][1])) == 2 * x.numel() * x.element_size()
+
+
+def test_safe_softmax_holds_its_masks_on_the_cpu():
+    """SDPA's math path normalises with _safe_softmax, whose -inf mask, row flags and zero are its own
+    temporaries (and, with dtype=, the converted input first): counted equals measured."""
+    from memfit.memory.kernels import CpuWorkspaces, workspace_of
+
+    aten = torch.ops.aten
+    counted = CpuWorkspaces(threads=1)
+    for x, rest in [(torch.randn(2, 4, 64, 64), (-1,)), (torch.randn(2, 4, 64, 64).bfloat16(), (-1,)),
+                    (torch.randn(3, 5, 7), (1,)), (torch.randn(4, 100).half(), (-1,)),
+                    (torch.randn(2, 4, 64, 64).bfloat16(), (-1, torch.float32))]:
+        args = (x, *rest)
+        out = aten._safe_softmax.default(*args)
+        assert counted(aten._safe_softmax.default, args, {}, out) == workspace_of(aten._safe_softmax.default, args, {})
+
+
+@pytest.mark.parametrize("case", ["causal", "bool mask", "bf16 mask", "bf16 autocast"])
+def test_sdpa_forward_on_the_cpu_is_counted_as_the_profiler_sees_it(case):
+    """CPU SDPA runs its flash kernel, whose per-thread blocks are measured as a workspace, or its math path
+    (a 3-d mask, a mask that needs a gradient), which adds the mask into the scores in place for plain
+    tensors but out of place for "subclass-like" ones, as every tensor is under a dispatch mode: memfit's
+    counter (a dispatch mode) counted one more scores-sized tensor there, and missed _safe_softmax's masks.
+    The forward's peak equals the profiler's, pre-existing tensors included; counted out of place, the bf16
+    mask's add (which holds an fp32 copy of the mask too) would be the peak, over the profiler's."""
+    from memfit.memory.kernels import CpuWorkspaces
+    from memfit.memory.tracker import LiveBytes, PlainPaths
+    from truth import profiler_peak
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 128, 16, dtype=torch.bfloat16 if case == "bf16 mask" else None, requires_grad=True)
+    attn_mask = {"causal": None, "bool mask": torch.rand(128, 128) > 0.1,
+                 "bf16 mask": torch.randn(2, 4, 128, 128).bfloat16().requires_grad_(),  # learned: the math path
+                 "bf16 autocast": torch.randn(4, 128, 128)}[case]
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=case == "bf16 autocast")
+
+    def forward():
+        with autocast:
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=attn_mask, is_causal=attn_mask is None)
+
+    def counted(plain: bool) -> int:
+        tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces(threads=torch.get_num_threads()))
+        tracker.track([q] + ([attn_mask] if attn_mask is not None else []))
+        tracker.plain = PlainPaths() if plain else None
+        with tracker, tracker.plain or contextlib.nullcontext():
+            forward()
+        return tracker.peak
+
+    truth = profiler_peak(forward)
+    assert counted(plain=True) == truth
+    if case == "bf16 mask":
+        assert counted(plain=False) > truth
 
 
 def test_binary_ops_copy_inputs_of_another_dtype_into_the_common_one_on_the_cpu():

@@ -96,7 +96,7 @@ def test_storage_key_identifies_real_storages_shared_by_views():
 
 
 def test_storage_uses_count_views_and_autograd_sums_a_gradient_in_place_only_outside_dispatch_modes():
-    """What memory.tracker.GradientSums relies on: autograd's engine sums two gradients of one tensor into the
+    """What memory.tracker.PlainPaths relies on: autograd's engine sums two gradients of one tensor into the
     buffer it alone holds (add_), but under a dispatch mode (or on fake tensors) makes a new tensor (add)."""
     x = torch.zeros(16)
     alone = ti.storage_uses(x)

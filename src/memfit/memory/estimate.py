@@ -28,8 +28,8 @@ from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_m
 from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
-from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, GradientSums, LiveBytes, ModuleScope,
-                                   OpRecorder, OpTrace, Phase, machinery, seeing_saved)
+from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder,
+                                   OpTrace, Phase, PlainPaths, machinery, seeing_saved)
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
@@ -414,9 +414,9 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     step.on_phase = on_phase
     step.move = lambda b, d: _tag(tracker, move(b, d))
     scope = ModuleScope(step.model, tracker, recorder)
-    tracker.sums = GradientSums()
+    tracker.plain = PlainPaths()
     try:
-        with seeing_saved(pack), tracker.recording(recorder), tracker.sums, \
+        with seeing_saved(pack), tracker.recording(recorder), tracker.plain, \
                 chunks_traced_once(recorder) if mode is not None else contextlib.nullcontext():
             step(batch)
     except Exception as e:

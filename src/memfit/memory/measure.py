@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from memfit.memory.kernels import CpuWorkspaces
-from memfit.memory.tracker import GradientSums, LiveBytes
+from memfit.memory.tracker import LiveBytes, PlainPaths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +32,8 @@ def measure_step(step, batch, tracker: LiveBytes | None = None) -> tuple[torch.T
     counter = tracker or LiveBytes(step.device.type, detail=False, workspace=CpuWorkspaces())
     counter.track(step.state_tensors())
     counter.peak = counter.current  # a kept counter's peak is the previous step's
-    counter.sums = GradientSums()  # the counter is a dispatch mode: autograd then sums gradients out of place
-    with counter, counter.sums:
+    counter.plain = PlainPaths()  # the counter is a dispatch mode: PyTorch then works out of place where a step does not
+    with counter, counter.plain:
         loss = step(batch)
     if counter is not tracker:
         counter.close()

@@ -8,8 +8,9 @@
 
 When both run, `LiveBytes.recording(recorder)` does what stacking them does (`with counter, recorder:`) in
 one mode: each of the modes stacked costs every op a round trip through the dispatcher (~5% of a fake trace).
-`GradientSums`, a function mode beside them, marks where autograd's engine sums gradients, which a dispatch
-mode (or a fake tensor) makes it do out of place: `LiveBytes` counts them as a step without one makes them.
+`PlainPaths`, a function mode beside them, marks where PyTorch computes out of place only because a dispatch
+mode (or a fake tensor) is active (autograd's gradient sums, SDPA's mask add): `LiveBytes` counts those results
+as a step without one makes them, in place.
 
 A `TorchDispatchMode` sees every tensor an aten op creates (below autograd, so the backward pass and the
 optimizer are seen too). Bytes are counted per storage, so views and in-place results cost nothing, and a
@@ -192,8 +193,8 @@ class LiveBytes(_Scoped):
         self._active = True
         self.failed_at: tuple[str, Phase, str] | None = None  # (module, phase, op) of the first op that raised
         self.recorder: OpRecorder | None = None  # shown every op counted (`recording`)
-        self.sums: GradientSums | None = None  # counts autograd's gradient sums as a step without dispatch modes
-        self._born_uses: dict[int, int] = {}  # with `sums`: a storage's references when it was made, by id
+        self.plain: PlainPaths | None = None  # counts results made in place without dispatch modes as made so
+        self._born_uses: dict[int, int] = {}  # with `plain`: a storage's references when it was made, by id
 
     # -- what the step tells the tracker
     def mark(self, phase: str) -> None:
@@ -273,7 +274,7 @@ class LiveBytes(_Scoped):
         key = self._allocate(nbytes, op, tuple(t.shape), str(t.dtype).replace("torch.", ""), category)
         self._uids[address] = key
         self.live[key] = nbytes
-        if self.sums is not None:
+        if self.plain is not None:
             self._born_uses[key] = storage_uses(t)
         weakref.finalize(st, self._free, address, key)
 
@@ -348,16 +349,26 @@ class LiveBytes(_Scoped):
 
     def _sums_in_place(self, args, kwargs) -> bool:
         """Whether a step without dispatch modes adds these two gradients of one tensor into the first
-        (autograd's InputBuffer::accumulate): plain tensors, grad mode off, the first dense and with no other
-        tensor over its storage than when it was made. Another reference to the first tensor itself (one
-        gradient passed to two inputs of a node) is not seen (rare)."""
+        (autograd's InputBuffer::accumulate): plain tensors of one shape and dtype, grad mode off, the first
+        fresh. Another reference to the first tensor itself (one gradient passed to two inputs of a node) is
+        not seen (rare)."""
         if kwargs or len(args) != 2:
             return False
         old, new = args
-        key = self.uid(old) if type(old) in _PLAIN else None
-        return (key is not None and type(new) in _PLAIN and old is not new and old.shape == new.shape
-                and old.dtype == new.dtype and not torch.is_grad_enabled() and _dense(old)
-                and storage_uses(old) <= self._born_uses.get(key, 0))
+        return (self._fresh(old) and type(new) in _PLAIN and old is not new and old.shape == new.shape
+                and old.dtype == new.dtype and not torch.is_grad_enabled())
+
+    def _masks_in_place(self, args, kwargs) -> bool:
+        """Whether a step without dispatch modes adds this mask into the attention scores in place (SDPA's
+        math path: `attn.add_(mask)`): a plain mask and fresh scores (the check that the sum keeps the scores'
+        shape and dtype, as an in-place add must, comes after the op)."""
+        return not kwargs and len(args) == 2 and self._fresh(args[0]) and type(args[1]) in _PLAIN \
+            and args[0] is not args[1]
+
+    def _fresh(self, t) -> bool:
+        """A plain tensor, dense, with no other tensor over its storage than when it was made."""
+        key = self.uid(t) if type(t) in _PLAIN else None
+        return key is not None and _dense(t) and storage_uses(t) <= self._born_uses.get(key, 0)
 
     def _take_over(self, old: torch.Tensor, out: torch.Tensor) -> None:
         """`out` is the sum a real step makes in `old`'s storage: it takes old's allocation over (no new
@@ -382,7 +393,13 @@ class LiveBytes(_Scoped):
             return answer_device_query(args, kwargs)
         if _Scoped.quiet:
             return func(*args, **kwargs)
-        summed = func is _ADD and self.sums is not None and self.sums.summing and self._sums_in_place(args, kwargs)
+        in_place = False
+        if func is _ADD and self.plain is not None:
+            if self.plain.masking:  # the first add inside SDPA is its mask's
+                self.plain.masking = False
+                in_place = self._masks_in_place(args, kwargs)
+            elif self.plain.summing:
+                in_place = self._sums_in_place(args, kwargs)
         try:
             # meta kernels that size outputs wrong; a GPU target (its host apart) runs CUDA's kernels
             out = fix_fake_outputs(func, args, kwargs, func(*args, **kwargs), cpu=not self.host_apart)
@@ -390,8 +407,8 @@ class LiveBytes(_Scoped):
             if self.failed_at is None:  # the module stack unwinds as the error leaves: note where it was
                 self.failed_at = (self.module, self.phase, getattr(func, "__name__", str(func)))
             raise
-        if summed and self._active:  # a real step adds into the buffer autograd's engine alone holds
-            self._take_over(args[0], out)
+        if in_place and self._active and out.shape == args[0].shape and out.dtype == args[0].dtype:
+            self._take_over(args[0], out)  # a real step adds into the tensor this op's caller alone holds
         if self._active:
             name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
             for t in _tensors(out):
@@ -405,7 +422,7 @@ class LiveBytes(_Scoped):
 
 
 _ADD = torch.ops.aten.add.Tensor
-_PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: autograd never adds into one in place
+_PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: PyTorch never adds into one in place
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -418,26 +435,39 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-class GradientSums(TorchFunctionMode):
-    """Marks when autograd's engine sums gradients, for `LiveBytes.sums`.
+class PlainPaths(TorchFunctionMode):
+    """Marks where PyTorch computes out of place only because a dispatch mode is active, for LiveBytes to
+    count what a step without one does: the result made in the first operand's storage.
 
-    When a tensor gets a gradient from two uses (two slices of it, a residual), the engine adds the second
-    into the first's buffer if it holds the only reference to it (`old.add_(new)`), but never into a tensor
-    subclass, and with a dispatch mode active every tensor counts as one: on fake tensors and under memfit's
-    counter it makes a new tensor (`old + new`), which a step without them does not hold (pegasus_x's sliced
-    attention probabilities: +20%). LiveBytes counts such a sum as made in place; the values are untouched.
-    The engine sums after a node's backward returns and before the next node starts, so every backward
-    call's graph gets a post-hook (sums follow: `summing`) and a pre-hook (a node's own ops follow) on each
-    node."""
+    Autograd's engine and ATen's composite ops test whether a tensor is "subclass-like" before working in
+    place, and with a dispatch mode active (memfit's counter, fake tensors) every tensor is:
+    - gradient sums: when a tensor gets a gradient from two uses (two slices of it, a residual), the engine
+      adds the second into the first's buffer if it alone holds it (`old.add_(new)`); under a mode it makes
+      a new tensor (`old + new`), which a real step does not hold (pegasus_x's sliced attention
+      probabilities: +20%). The engine sums after a node's backward returns and before the next node
+      starts, so every backward call's graph gets a post-hook (sums follow: `summing`) and a pre-hook (a
+      node's own ops follow) on each node.
+    - SDPA's math path (the CPU kernel where its flash kernel does not apply) adds the mask into the scores
+      in place (`attn.add_(mask)`), under a mode out of place: one more scores-sized tensor at the
+      attention's peak (doge's dynamic masks: +2.8%). `masking` is set for the call, until its first add.
+    The values are untouched."""
 
     _CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+    _ATTENTION = torch.nn.functional.scaled_dot_product_attention
 
     def __init__(self):
         super().__init__()
         self.summing = False
+        self.masking = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is self._ATTENTION:
+            self.masking = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.masking = False
         if func not in self._CALLS:
             return func(*args, **kwargs)
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
