@@ -1,6 +1,7 @@
 """Fake-tensor coverage of transformers: every architecture of the causal-LM, masked-LM, seq2seq-LM and
 image-classification auto tables, at the library's default size, estimated for an H100 in bf16 at micro-batch
-1 and seq 256 (image models at their own image size), one child process per architecture.
+1 and seq 256 (image models at their own image size), one child process per architecture. `--only` may name
+vision-language models too (transformers' image-text-to-text table): seq 1024, one image per row.
 
     nice -n 10 python benchmarks/hf_coverage.py [--only vit,llama] [--timeout 60]
 
@@ -24,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SEQ = 256
+VLM_SEQ = 1024  # a vision-language row holds its image's tokens too (LLaVA-1.5: 576)
 RSS_CAP = 6 * 2**30  # far over the 3 GiB goal; only there to keep a runaway child from hurting the machine
 TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
           "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")
@@ -51,7 +53,8 @@ def one(model_type: str) -> dict:
         task = hf.pick_task(cfg)
         row["task"] = task
         try:
-            wl = hf.from_config(cfg, name=f"hf:{model_type}", **({} if task == "image" else {"seq": SEQ}))
+            wl = hf.from_config(cfg, name=f"hf:{model_type}",
+                                **({} if task == "image" else {"seq": VLM_SEQ if task == "image-text" else SEQ}))
         except WorkloadError as e:  # Reformer trains only at the length its axial position table factors
             if "trains only at seq" not in str(e):
                 raise

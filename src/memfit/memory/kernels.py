@@ -52,8 +52,8 @@ U-Net within 0.03% and the ConvNeXt within 0.6% in bf16.
 
 SDPA's flash kernel on the CPU (aten._scaled_dot_product_flash_attention_for_cpu and its backward: every SDPA
 call without a mask or with one it takes), measured the same way: per-thread blocks of scores, accumulators and
-(bf16) converted inputs, which follow the block sizes, head size, dtype and thread count: 37 KB for 4 heads of
-16 x 128 tokens in fp32, 36 MB for 32 heads of 128 x 2,048 in bf16, the backward 131 KB for the first.
+(bf16) converted inputs, which follow the block sizes, head size, dtype and thread count: 37 KB for 2 x 4 heads
+of 128 tokens x 16 in fp32, 36 MB for 32 heads of 2,048 x 128 in bf16, the backward 131 KB for the first.
 
 Batch norm on the CPU (aten.native_batch_norm and its backward), measured the same way: the backward holds a
 buffer the size of its input (contiguous or channels-last; a strided input runs another path without it), the
