@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import os
 import re
+from pathlib import Path
 
 import torch
 
@@ -248,8 +249,8 @@ def _on_fake(workload: Workload, config: Config, dev: Device) -> Probe:
 
 
 # Errors fake tensors do not cause, when raised by a `raise` in the workload's own code (its model, loss or
-# batch: not `tracker.machinery`), or by torch's argument parser before any kernel runs: a real step raises
-# them too. Fake tensors' own failures (data-dependent values, missing meta kernels) are RuntimeErrors or
+# batch: not `tracker.machinery`; a check it asks torch to make, `torch._check_with(ValueError, ...)`, is its
+# own too), or by torch's argument parser before any kernel runs: a real step raises them too. Fake tensors' own failures (data-dependent values, missing meta kernels) are RuntimeErrors or
 # NotImplementedErrors, and torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
 _WORKLOAD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, AssertionError, NameError,
                     ZeroDivisionError)
@@ -261,10 +262,20 @@ def _raised_by_workload(e: BaseException) -> bool:
         return False
     if isinstance(e, TypeError) and _ARGUMENT_PARSER.match(str(e)):
         return True
+    frames = []
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
         tb = tb.tb_next
-    return tb is not None and not machinery(tb.tb_frame.f_code.co_filename)
+    while frames and _torch_check(frames[-1]):  # `torch._check_with(ValueError, ...)`: the caller's own check
+        frames.pop()
+    return bool(frames) and not machinery(frames[-1].co_filename)
+
+
+def _torch_check(code) -> bool:
+    """A frame of torch's `_check*` helpers, which raise the error type their caller asks for."""
+    return code.co_name.startswith("_check") and Path(code.co_filename).parent.name == "torch" \
+        and Path(code.co_filename).name == "__init__.py"
 
 
 def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe:

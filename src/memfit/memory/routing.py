@@ -297,7 +297,7 @@ class Routing(TorchDispatchMode):
         indexed = self._bool_mask_as_indices(args, kwargs) if func in _BOOL_INDEXED else None
         if indexed is not None:  # `x[mask] = y` changes x in place: the op itself must run
             out = func(*indexed[0], **indexed[1])
-            if shadow_args is not None and _may_shadow(func, args, kwargs, out):
+            if shadow_args is not None and _may_shadow(func, args, kwargs, out, self._drawing, self._building):
                 self._attach(out, self._real(func, shadow_args), shadow_args[2])
             else:
                 self._forget_mutated(args, kwargs, out)
@@ -430,7 +430,7 @@ def _finite_check(func, args) -> bool | None:
     return None
 
 
-def _may_shadow(func, args, kwargs, out, drawing: bool, building: bool = False) -> bool:
+def _may_shadow(func, args, kwargs, out, drawing: bool, building: bool) -> bool:
     """Shadows are small, made only of values known without data, or of the batch while it is drawn."""
     fakes = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and is_fake(t)]
     if not fakes or any(t.untyped_storage().nbytes() > SHADOW_LIMIT_BYTES for t in fakes):
