@@ -491,9 +491,13 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
 def _image_tokens(build, pixels: torch.Tensor, extra: dict, model_type: str) -> int:
     """How many features the model's vision side makes of one image: its `get_image_features` run on the
     meta device (no memory, no values)."""
+    with torch.device("meta"):
+        try:
+            model = build()
+        except Exception as e:  # noqa: BLE001 - the config's own fault, said in one line
+            raise WorkloadError(f"hf: the {model_type} config does not build: {type(e).__name__}: {e}") from None
     try:
         with torch.device("meta"):
-            model = build()
             features = model.get_image_features(pixel_values=pixels.to("meta"), **extra)
     except Exception as e:  # noqa: BLE001 - said in one line: the layout is not one memfit makes
         raise WorkloadError(f"hf: could not count {model_type}'s tokens per image from its vision tower on the meta "
