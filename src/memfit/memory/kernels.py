@@ -50,11 +50,6 @@ run once on this machine instead (`CpuWorkspaces`). Uncounted, the estimate was 
 (fp32) to 54% (bf16) low on a ConvNeXt; counted, both are the profiler's peak to the byte in fp32, the
 U-Net within 0.03% and the ConvNeXt within 0.6% in bf16.
 
-SDPA's flash kernel on the CPU (aten._scaled_dot_product_flash_attention_for_cpu and its backward: every SDPA
-call without a mask or with one it takes), measured the same way: per-thread blocks of scores, accumulators and
-(bf16) converted inputs, which follow the block sizes, head size, dtype and thread count: 37 KB for 2 x 4 heads
-of 128 tokens x 16 in fp32, 36 MB for 32 heads of 2,048 x 128 in bf16, the backward 131 KB for the first.
-
 Batch norm on the CPU (aten.native_batch_norm and its backward), measured the same way: the backward holds a
 buffer the size of its input (contiguous or channels-last; a strided input runs another path without it), the
 forward a few bytes per channel. Uncounted, the held-out BiT (whose weight-standardised convolutions batch-norm
@@ -105,6 +100,14 @@ ranks: BENCHMARKS.md.
 
 Not modelled (allocations inside CPU kernels; a dispatch mode sees only op outputs, so both the fake and the
 real-mode trace miss them; the profiler sees them):
+    aten._scaled_dot_product_flash_attention_for_cpu and its backward (every CPU SDPA call without a mask, or
+        with one the flash kernel takes): per-thread blocks of scores and accumulators, and for bf16 packed
+        copies of the keys and values, following the block sizes, head size, dtype, thread count and ISA:
+        37 KB for 2 x 4 heads of 128 tokens x 16 in fp32, 1.6 MB for 2 x 4 heads of 512 x 64 in bf16, 36 MB
+        for 32 heads of 2,048 x 128 in bf16; the backward 131 KB for the first. Measuring them per call
+        signature, as convolutions are, worked, but needs the measuring helper for every fp32 step too (a
+        new process per `memfit train` run or rank: the test suite's CPU time went from 679 s to 1,179 s), and
+        no held-out model peaks inside one; not counted yet.
     aten.mkldnn_rnn_layer_backward: a contiguous copy of a non-contiguous grad_output (T*mb*H*elem), zeros for
         an undefined grad_hy / grad_cy, the summed bias, the diff weights in oneDNN's layout (4H*in and 4H*H
         elements, fp32) and oneDNN's scratchpad (scratch gates T*mb*ld(4H)*4 plus ~7-8 KB not derived):
@@ -221,10 +224,7 @@ def fix_fake_outputs(func, args, kwargs, out, cpu: bool = True):
 MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default,
                           # batch norm's backward holds an input-sized buffer on the CPU (a contiguous or channels-last
                           # input; a strided one runs another path), its forward per-channel accumulators
-                          aten.native_batch_norm.default, aten.native_batch_norm_backward.default,
-                          # SDPA's CPU flash kernel: per-thread blocks of scores and accumulators, forward and backward
-                          aten._scaled_dot_product_flash_attention_for_cpu.default,
-                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+                          aten.native_batch_norm.default, aten.native_batch_norm_backward.default})
 # FSDP2's copy of a unit's gradients into the reduce-scatter input (`fsdp.chunk_cat`, by name: the op exists
 # once torch.distributed.fsdp is imported): on the CPU it pads, and copies inputs of another dtype, into
 # temporaries by amounts that follow the shapes, dtypes and chunk count. Measured the same way.
