@@ -106,7 +106,7 @@ real-mode trace miss them; the profiler sees them):
         37 KB for 2 x 4 heads of 128 tokens x 16 in fp32, 1.6 MB for 2 x 4 heads of 512 x 64 in bf16, 36 MB
         for 32 heads of 2,048 x 128 in bf16; the backward 131 KB for the first. Measuring them per call
         signature, as convolutions are, worked, but needs the measuring helper for every fp32 step too (a
-        new process per `memfit train` run or rank: the test suite's CPU time went from 679 s to 1,179 s), and
+        new process per `memfit train` run or rank: the test suite took 1,179 s of CPU instead of 996 s), and
         no held-out model peaks inside one; not counted yet.
     aten.mkldnn_rnn_layer_backward: a contiguous copy of a non-contiguous grad_output (T*mb*H*elem), zeros for
         an undefined grad_hy / grad_cy, the summed bias, the diff weights in oneDNN's layout (4H*in and 4H*H
