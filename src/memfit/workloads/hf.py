@@ -446,21 +446,18 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         side = max(merge, round((image_size or DEFAULT_IMAGE_SIZE) / patch / merge) * merge)  # patches per side
         pixels = torch.randn(1, side * side, channels * temporal * patch * patch)
         extra = {"image_grid_thw": torch.tensor([[1, side, side]])}
+        count = side * side // (merge * merge)
     else:
         size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         pixels = torch.randn(1, channels, height, width)
-        extra = {"image_sizes": torch.tensor([[height, width]])} if "image_sizes" in takes else {}  # Pixtral's
-    if grid:
-        count = side * side // (merge * merge)
-    else:
-        try:
-            count = _image_tokens(build, pixels, {}, cfg.model_type)
-            extra = {}  # LLaVA takes sizes but, given them, splits features as Pixtral's variable-size images
+        sizes = {"image_sizes": torch.tensor([[height, width]])} if "image_sizes" in takes else {}
+        try:  # without sizes first: LLaVA takes them but, given them, splits features as Pixtral's images
+            count, extra = _image_tokens(build, pixels, {}, cfg.model_type), {}
         except WorkloadError:
-            if not extra:
+            if not sizes:
                 raise
-            count = _image_tokens(build, pixels, extra, cfg.model_type)
+            count, extra = _image_tokens(build, pixels, sizes, cfg.model_type), sizes
     start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
     marks = [t for t in (start, end) if isinstance(t, int)]
     if count + len(marks) + 1 > seq:
