@@ -361,9 +361,8 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
             with _masks_as_in_a_real_run():
                 return chunked_cross_entropy(lambda: m(**rest), m.get_output_embeddings(), b["labels"],
                                              logits=lambda out: out.logits, shift=True)
-        if task == "image-text" and "patches_per_image" in b:  # patch rows of all images, one after another
-            b = {**{k: v for k, v in b.items() if k != "patches_per_image"},
-                 "pixel_values": b["pixel_values"].flatten(0, 1)}
+        if task == "image-text" and "image_grid_thw" in b:  # kept per row: the model takes all images' patch rows
+            b = {**b, "pixel_values": b["pixel_values"].flatten(0, 1)}
         with _masks_as_in_a_real_run():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
         if getattr(out, "loss", None) is None:
@@ -444,13 +443,13 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         patch, merge = vision.patch_size, getattr(vision, "spatial_merge_size", 1)
         temporal = getattr(vision, "temporal_patch_size", 1)
         side = max(merge, round((image_size or DEFAULT_IMAGE_SIZE) / patch / merge) * merge)  # patches per side
-        pixels = torch.randn(1, side * side, channels * temporal * patch * patch)
+        pixels = torch.empty(1, side * side, channels * temporal * patch * patch)
         extra = {"image_grid_thw": torch.tensor([[1, side, side]])}
         count = side * side // (merge * merge)
     else:
         size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
         height, width = (size, size) if isinstance(size, int) else tuple(size)
-        pixels = torch.randn(1, channels, height, width)
+        pixels = torch.empty(1, channels, height, width)
         sizes = {"image_sizes": torch.tensor([[height, width]])} if "image_sizes" in takes else {}
         try:  # without sizes first: LLaVA takes them but, given them, splits features as Pixtral's images
             count, extra = _image_tokens(build, pixels, {}, cfg.model_type), {}
@@ -476,8 +475,6 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
             ids[:, first + count] = end
         labels = torch.where(ids == token, -100, ids)
         out = {"input_ids": ids, "labels": labels, "pixel_values": torch.randn(n, *pixels.shape[1:])}
-        if grid:
-            out["patches_per_image"] = torch.full((n,), pixels.shape[1])
         if "mm_token_type_ids" in takes:  # as processors make it: 1 marks an image's tokens (M-RoPE reads it)
             out["mm_token_type_ids"] = (ids == token).int()
         return {**out, **{k: v.expand(n, *v.shape[1:]).clone() for k, v in extra.items()}}
