@@ -208,6 +208,30 @@ def test_a_crash_inside_the_step_becomes_a_clear_error():
         memfit.estimate(wl, Config(micro_batch=2))
 
 
+def test_the_callers_garbage_is_not_finalised_in_a_tracing_child(tmp_path):
+    """A forked child inherits the caller's uncollected cycles; finalising one there can hang the child for
+    ever (a DDP reducer joins gloo threads a fork does not copy: seen under pytest-xdist, in FakeTensorMode's
+    constructor). The child's collector must leave them to the parent."""
+    import gc
+
+    from memfit.memory.isolate import run_isolated
+
+    class Finaliser:
+        def __del__(self):
+            (tmp_path / f"finalised-in-{os.getpid()}").touch()
+
+    gc.disable()
+    try:
+        cycle = Finaliser()
+        cycle.me = cycle
+        del cycle
+        assert run_isolated(gc.collect) >= 0
+    finally:
+        gc.enable()
+    gc.collect()
+    assert [p.name for p in tmp_path.iterdir()] == [f"finalised-in-{os.getpid()}"]
+
+
 def test_a_loss_that_raises_is_reported_as_the_workloads_error():
     wl = memfit.Workload(model=lambda: nn.Linear(4, 4), batch=lambda n: torch.randn(n, 5),
                          loss=lambda m, b: m(b).sum())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -44,9 +45,11 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
             while pending and len(running) < workers:
                 i, fn = pending.pop(0)
                 path = os.path.join(tmp, f"{i}.pkl")
+                gc.freeze()  # what the parent holds is never collected in the child (see _child)
                 pid = os.fork()
                 if pid == 0:
                     _child(fn, path)
+                gc.unfreeze()
                 running[pid] = (i, path)
             pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
             i, path = running.pop(pid)
@@ -70,6 +73,9 @@ def _wait_any(pids) -> tuple[int, int]:
 
 
 def _child(fn: Callable, path: str) -> None:
+    """Run in the forked child. The parent's objects were frozen at the fork, so the child's garbage
+    collector never finalises them: a DDP reducer left in a cycle by the user (or an earlier test) would
+    join its gloo threads, which do not exist after a fork, and hang the child for ever."""
     global _result_path
     _result_path = path
     torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
