@@ -10,6 +10,7 @@ cache filled once) is reported apart, as state that appeared late; it does not g
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import re
@@ -134,14 +135,37 @@ def _watch(workload: Workload, config: Config, steps: int, allowance: int) -> Le
 
 def _holders(tracker: LiveBytes, keys: set[int]) -> dict[int, str]:
     """For each storage in `keys` that a Python tensor still holds: what holds that tensor, in words."""
-    out: dict[int, str] = {}
     if not keys:
-        return out
-    with warnings.catch_warnings():  # isinstance() on every object wakes deprecated torch attributes
+        return {}
+    with warnings.catch_warnings(), _whole_heap():  # isinstance() on every object wakes deprecated attributes
         warnings.simplefilter("ignore")
         objects = gc.get_objects()
         tensors = [o for o in objects if isinstance(o, torch.Tensor) and tracker.uid(o) in keys]
         del objects
+        return _described(tensors, tracker)
+
+
+@contextlib.contextmanager
+def _whole_heap():
+    """The collector's searches skip frozen objects, and a tracing child starts with its parent's heap
+    frozen (memory.isolate): the user's list that keeps the losses is one of them. They are thawed for the
+    search with collection off, so the parent's garbage is still not finalised here, and frozen again."""
+    if not gc.get_freeze_count():
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+def _described(tensors: list[torch.Tensor], tracker: LiveBytes) -> dict[int, str]:
+    out: dict[int, str] = {}
     for t in tensors:
         key = tracker.uid(t)
         if key in out:
