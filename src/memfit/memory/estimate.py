@@ -26,7 +26,7 @@ from memfit.errors import ConfigError, EstimateError, HostMemoryError, MemfitErr
 from memfit.memory import allocator
 from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
-from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
+from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder,
@@ -485,7 +485,7 @@ def _heap_set_aside(active: bool):
     look, so `_preexisting` walks the trace's own objects only (walking a test session's whole heap was ~15%
     of the planner's tests). The trace makes its fake tensors after entering. A process that froze objects
     itself (a server before it forks workers) keeps them frozen, and only those are set aside."""
-    if not active or gc.get_freeze_count():
+    if not active or heap_frozen():
         yield
         return
     gc.freeze()

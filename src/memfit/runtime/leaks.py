@@ -23,7 +23,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import ConfigError, HostMemoryError
 from memfit.memory.estimate import SAFE_HOST_SHARE, estimate
-from memfit.memory.isolate import available_host_bytes, host_memory_guard, run_isolated
+from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated
 from memfit.memory.tracker import LiveBytes, ModuleScope, short_path
 from memfit.step import TrainStep
 from memfit.units import fmt_bytes
@@ -150,7 +150,7 @@ def _whole_heap():
     """The collector's searches skip frozen objects, and a tracing child starts with its parent's heap
     frozen (memory.isolate): the user's list that keeps the losses is one of them. They are thawed for the
     search with collection off, so the parent's garbage is still not finalised here, and frozen again."""
-    if not gc.get_freeze_count():
+    if not heap_frozen():
         yield
         return
     enabled = gc.isenabled()
