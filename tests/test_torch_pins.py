@@ -27,6 +27,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
     pinned |= {"DEVICE_QUERY", "answer_device_query"}  # answered unrecorded by every mode
     pinned |= {"fast_cache_keys"}  # a fifth of every op's cost
+    pinned |= {"fast_cache_entries", "fast_cache_size", "add_fast_cache_entries"}  # children pass them on
     pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
     pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
     pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
@@ -286,6 +287,38 @@ def test_fast_cache_keys_answer_as_a_fresh_dispatch_would_and_leave_the_rest_to_
     with mode:
         constant + 1
     assert ti.FakeTensorMode.cache_bypasses["constant attribute"] == bypassed + 1
+
+
+def test_cache_entries_a_child_learned_answer_in_its_parent_as_a_fresh_dispatch_would(tmp_path):
+    """The entries a forked tracing child adds under memfit's keys come back to the parent (ops by name:
+    an OpOverload does not pickle) and answer there, cross-checked against a fresh dispatch, with no miss."""
+    from memfit.memory.isolate import run_isolated
+
+    def step():
+        x = torch.randn(3, 13, 17, requires_grad=True)  # shapes no other test uses: the cache is process-wide
+        y = (x.transpose(1, 2) @ x).softmax(-1).sum() + F.gelu(x[:, 1:]).mean()
+        y.backward()
+        return x.grad
+
+    def in_child():
+        mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+        ti.fast_cache_keys(mode)
+        with mode:
+            step()
+        return ti.fast_cache_size()
+
+    before = ti.fast_cache_size()
+    grown = run_isolated(in_child)
+    assert ti.fast_cache_size() == grown > before + 10
+    mode = ti.FakeTensorMode(allow_non_fake_inputs=True)
+    ti.fast_cache_keys(mode)
+    mode.cache_crosscheck_enabled = True
+    misses, hits = ti.FakeTensorMode.cache_misses, ti.FakeTensorMode.cache_hits
+    with mode:
+        grad = step()
+    assert ti.FakeTensorMode.cache_misses == misses and ti.FakeTensorMode.cache_hits - hits >= 10
+    assert grad.shape == (3, 13, 17) and is_fake(grad)
+    assert ti.fast_cache_entries(ti.fast_cache_size()) == ti.fast_cache_entries(10**9)  # nothing new: empty
 
 
 def test_a_transformers_step_traced_with_fast_keys_is_cross_checked_and_estimated_as_with_torchs(monkeypatch):

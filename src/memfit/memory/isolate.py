@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 import torch
 
 from memfit.errors import EstimateError
-from memfit.torch_internals import import_dynamo
+from memfit.torch_internals import add_fast_cache_entries, fast_cache_entries, fast_cache_size, import_dynamo
 from memfit.units import fmt_bytes
 
 T = TypeVar("T")
@@ -59,7 +59,9 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
                 results[i] = ("error", EstimateError(f"PyTorch crashed with {sig}{hint} while tracing the training step"))
                 continue
             with open(path, "rb") as f:
-                results[i] = pickle.load(f)
+                results[i], ops_seen = pickle.load(f)
+            if ops_seen:
+                add_fast_cache_entries(ops_seen)
     return results
 
 
@@ -85,6 +87,7 @@ def _child(fn: Callable, path: str) -> None:
     join its gloo threads, which do not exist after a fork, and hang the child for ever."""
     global _result_path
     _result_path = path
+    cached = fast_cache_size()
     torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread never enters it
     faulthandler.disable()  # a crash is reported by the parent, in one line
     try:
@@ -98,7 +101,11 @@ def _child(fn: Callable, path: str) -> None:
             error.memfit_partial = getattr(e, "memfit_partial", None)
             error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
             result = ("error", error)
-    _write_and_exit(path, result)
+    try:  # what this child's fake tensors learned about ops, for the children forked after it
+        ops_seen = fast_cache_entries(cached)
+    except Exception:  # noqa: BLE001 - only a speed-up
+        ops_seen = None
+    _write_and_exit(path, (result, ops_seen))
 
 
 def _write_and_exit(path: str, result) -> None:
@@ -155,7 +162,7 @@ def host_memory_guard(limit_bytes: int, what: str, poll_s: float = 0.01):
     def watch():
         while not done.wait(poll_s):
             if over():
-                _write_and_exit(path, ("error", error))
+                _write_and_exit(path, (("error", error), None))
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
