@@ -25,11 +25,12 @@ from memfit.errors import EstimateError
 __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
-           "FakeTensorMode", "fast_cache_keys", "fast_cache_entries", "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again", "grad_scaler_tensors",
-           "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable",
-           "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations", "profiler_call_allocations",
-           "profiler_memory_timeline", "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies",
-           "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
+           "FakeTensorMode", "fast_cache_keys", "fast_cache_entries", "fast_cache_size", "add_fast_cache_entries",
+           "function_modes", "function_modes_again", "grad_scaler_tensors", "held_by", "import_dynamo",
+           "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable", "memory_history", "memory_snapshot",
+           "memory_viz", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
+           "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies", "storage_key",
+           "storage_uses", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
            "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
@@ -232,7 +233,7 @@ _FAST_KEY = _FastKey()
 
 
 def fast_cache_size() -> int:
-    """How many entries FakeTensorMode's process-wide dispatch cache holds (it only grows)."""
+    """How many entries FakeTensorMode's process-wide dispatch cache holds (entries are added in order)."""
     return len(FakeTensorMode.cache)
 
 
@@ -243,7 +244,7 @@ def fast_cache_entries(since: int) -> bytes:
     Only PyTorch's own ops: one a workload registers may not exist in the parent. An entry that does not
     pickle is left out."""
     entries = [(key.key, entry) for key, entry in list(FakeTensorMode.cache.items())[since:]
-               if key.key and key.key[0] is _FAST_KEY and key.key[1].namespace in ("aten", "prims")]
+               if key.key[0] is _FAST_KEY and getattr(key.key[1], "namespace", None) in ("aten", "prims")]
     try:
         return _pickled(entries)
     except Exception:  # noqa: BLE001 - rare: keep the entries that do pickle
