@@ -46,10 +46,12 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
                 i, fn = pending.pop(0)
                 path = os.path.join(tmp, f"{i}.pkl")
                 gc.freeze()  # what the parent holds is never collected in the child (see _child)
-                pid = os.fork()
-                if pid == 0:
-                    _child(fn, path)
-                gc.unfreeze()
+                try:
+                    pid = os.fork()
+                    if pid == 0:
+                        _child(fn, path)  # never returns
+                finally:
+                    gc.unfreeze()
                 running[pid] = (i, path)
             pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
             i, path = running.pop(pid)
