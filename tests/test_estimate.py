@@ -395,13 +395,15 @@ def test_a_tensor_kept_in_a_plain_attribute_is_counted_and_the_collector_is_left
     """The trace finds every fake tensor of its own mode alive before the step (a table a model keeps
     outside its parameters and buffers), while the heap it started from is set aside (gc.freeze) and then
     given back; objects a process froze itself stay frozen."""
-    without = memfit.estimate(_keeps_a_table(False), Config(micro_batch=2), isolate=False)
-    with_table = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
-    assert with_table.peak_bytes - without.peak_bytes == 4000 and gc.get_freeze_count() == 0
-    gc.freeze()
+    gc.unfreeze()  # conftest froze the session's heap: this process has frozen nothing of its own here
     try:
+        without = memfit.estimate(_keeps_a_table(False), Config(micro_batch=2), isolate=False)
+        with_table = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
+        assert with_table.peak_bytes - without.peak_bytes == 4000 and gc.get_freeze_count() == 0
+        gc.freeze()
         frozen = gc.get_freeze_count()
         again = memfit.estimate(_keeps_a_table(True), Config(micro_batch=2), isolate=False)
         assert again.peak_bytes == with_table.peak_bytes and gc.get_freeze_count() > frozen // 2  # not unfrozen
     finally:
-        gc.unfreeze()
+        gc.collect()
+        gc.freeze()

@@ -45,13 +45,15 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
             while pending and len(running) < workers:
                 i, fn = pending.pop(0)
                 path = os.path.join(tmp, f"{i}.pkl")
-                gc.freeze()  # what the parent holds is never collected in the child (see _child)
+                collecting = gc.isenabled()
+                gc.disable()  # until the child has frozen what it inherits (see _child)
                 try:
                     pid = os.fork()
                     if pid == 0:
-                        _child(fn, path)  # never returns
+                        _child(fn, path, collecting)  # never returns
                 finally:
-                    gc.unfreeze()
+                    if collecting:
+                        gc.enable()
                 running[pid] = (i, path)
             pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
             i, path = running.pop(pid)
@@ -83,10 +85,14 @@ def _wait_any(pids) -> tuple[int, int]:
         time.sleep(0.01)
 
 
-def _child(fn: Callable, path: str) -> None:
-    """Run in the forked child. The parent's objects were frozen at the fork, so the child's garbage
-    collector never finalises them: a DDP reducer left in a cycle by the user (or an earlier test) would
-    join its gloo threads, which do not exist after a fork, and hang the child for ever."""
+def _child(fn: Callable, path: str, collecting: bool) -> None:
+    """Run in the forked child. It freezes everything it inherited before its collector may run, so the
+    collector never finalises the parent's garbage: a DDP reducer left in a cycle by the user (or an earlier
+    test) would join its gloo threads, which do not exist after a fork, and hang the child for ever. (The
+    parent's own frozen objects, if it froze any, stay frozen in the parent.)"""
+    gc.freeze()
+    if collecting:
+        gc.enable()
     global _result_path
     _result_path = path
     cached = fast_cache_size()
