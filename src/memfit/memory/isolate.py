@@ -50,7 +50,10 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
                 try:
                     pid = os.fork()
                     if pid == 0:
-                        _child(fn, path, collecting)  # never returns
+                        try:
+                            _child(fn, path, collecting)  # ends the process itself
+                        finally:
+                            os._exit(1)  # never back into the caller's code in the child
                 finally:
                     if collecting:
                         gc.enable()
