@@ -250,8 +250,9 @@ def _on_fake(workload: Workload, config: Config, dev: Device) -> Probe:
 
 # Errors fake tensors do not cause, when raised by a `raise` in the workload's own code (its model, loss or
 # batch: not `tracker.machinery`; a check it asks torch to make, `torch._check_with(ValueError, ...)`, is its
-# own too), or by torch's argument parser before any kernel runs: a real step raises them too. Fake tensors' own failures (data-dependent values, missing meta kernels) are RuntimeErrors or
-# NotImplementedErrors, and torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
+# own too), or by torch's argument parser before any kernel runs: a real step raises them too. Fake tensors'
+# own failures (data-dependent values, missing meta kernels) are RuntimeErrors or NotImplementedErrors, and
+# torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
 _WORKLOAD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, AssertionError, NameError,
                     ZeroDivisionError)
 _ARGUMENT_PARSER = re.compile(r"^[\w.]+\(\)(: argument '\w+'| received an invalid combination of arguments)")

@@ -120,6 +120,7 @@ def _child(fn: Callable, path: str, collecting: bool) -> None:
 
 
 def _write_and_exit(path: str, result) -> None:
+    """`result` is (("ok" | "error", value), the child's cache entries or None), as the parent reads it."""
     try:
         with open(path, "wb") as f:
             pickle.dump(result, f)
