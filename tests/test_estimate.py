@@ -365,14 +365,85 @@ class ScaledByOnes(nn.Module):
 
 
 def test_a_model_that_casts_its_parameters_after_building_them_from_ones_traces_on_fake():
-    """Values of small float factories are kept while the step runs (attention masks), not while the model is
-    built: a kept value holds a weak reference to its tensor, and `Module.to` cannot swap such a parameter
-    (`_apply(): Couldn't swap`, deepseek_v4 in the coverage run)."""
+    """Values of small float factories made while the model is built are held strongly until the build ends:
+    a weak reference to a parameter stops `Module.to` swapping it (`_apply(): Couldn't swap`, deepseek_v4
+    in the coverage run)."""
     wl = memfit.Workload(model=lambda: ScaledByOnes().to(torch.float64).to(torch.float32),
                          batch=lambda n: {"x": torch.randn(n, 64), "y": torch.randint(0, 4, (n,))},
                          loss=lambda m, b: F.cross_entropy(m(b["x"]), b["y"]),
                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="ones")
     assert memfit.estimate(wl, Config(micro_batch=4)).method == "fake"
+
+
+class _Calibrating(nn.Module):
+    """A quantiser's pattern (I-BERT): a float buffer the build fills, which the first step branches on."""
+
+    def __init__(self, fixed: bool | None = None):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("x_min", torch.zeros(1))
+        nn.init.constant_(self.x_min, -1e-5)
+        self.fixed = fixed
+
+    def forward(self, x):
+        first = self.x_min.min() > -1.1e-5 if self.fixed is None else self.fixed
+        h = self.lin(x)
+        if first:  # the first step keeps a wider activation for backward
+            h = torch.cat([h, h * 2], dim=1)
+        return h.tanh()
+
+
+def _calibrating(fixed: bool | None = None) -> memfit.Workload:
+    return memfit.Workload(model=lambda: _Calibrating(fixed), batch=lambda n: {"x": torch.randn(n, 32)},
+                           loss=lambda model, b: model(b["x"]).square().mean(),
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="calibrating")
+
+
+def test_a_buffer_the_build_fills_keeps_its_value_for_the_step_that_branches_on_it():
+    est = memfit.estimate(_calibrating(), Config(micro_batch=64), isolate=False)
+    assert est.method == "fake"
+    assert est.peak_bytes == memfit.estimate(_calibrating(True), Config(micro_batch=64), isolate=False).peak_bytes
+    assert est.peak_bytes != memfit.estimate(_calibrating(False), Config(micro_batch=64), isolate=False).peak_bytes
+
+
+class _Branching(nn.Module):
+    """`if <activation values>:` n times in a row; the False way holds a larger activation for backward."""
+
+    def __init__(self, branches: int, fixed: bool | None = None):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.branches, self.fixed = branches, fixed
+
+    def forward(self, x):
+        h = self.lin(x)
+        for _ in range(self.branches):
+            if not (h.mean() > 0 if self.fixed is None else self.fixed):
+                wide = torch.cat([h, h], dim=1).tanh()  # kept for backward
+                h = wide[:, :32] + wide[:, 32:]
+            h = h.tanh()
+        return h
+
+
+def _branching(branches: int, fixed: bool | None = None) -> memfit.Workload:
+    return memfit.Workload(model=lambda: _Branching(branches, fixed), batch=lambda n: {"x": torch.randn(n, 32)},
+                           loss=lambda model, b: model(b["x"]).square().mean(),
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="branching")
+
+
+def test_a_branch_on_activation_values_is_traced_both_ways_and_the_larger_peak_kept():
+    """The way taken by the forked trace (False) is the larger here: its result must come back. In the
+    caller's own process (isolate=False) nothing forks: the fake trace is refused and a real step measured.
+    Past three branches on one path the estimate is refused too."""
+    config = Config(micro_batch=64)
+    est = memfit.estimate(_branching(1), config)
+    ways = [memfit.estimate(_branching(1, fixed), config, isolate=False).peak_bytes for fixed in (True, False)]
+    assert est.method == "fake" and ways[1] > ways[0]
+    assert est.peak_bytes == ways[1] == real_step_peak(_branching(1, False), config)
+    note = next(n for n in est.notes if "branches on values" in n)
+    assert "test_estimate.py:" in note and "(2 traces)" in note
+    assert memfit.estimate(_branching(1), config, isolate=False).method == "measured"
+    assert memfit.estimate(_branching(3), config).peak_bytes == memfit.estimate(_branching(3, False), config).peak_bytes
+    assert memfit.estimate(_branching(4), config).method == "measured"
 
 
 class _KeepsATable(nn.Module):

@@ -26,7 +26,7 @@ from memfit.errors import ConfigError, EstimateError, HostMemoryError, MemfitErr
 from memfit.memory import allocator
 from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
-from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated
+from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated, value_branches
 from memfit.memory.kernels import CpuWorkspaces, CudnnWorkspaces, rank_threads
 from memfit.memory.routing import Routing, add_routing
 from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes, ModuleScope, OpRecorder,
@@ -316,6 +316,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                 router.building() if router is not None else contextlib.nullcontext():
             step = TrainStep(workload, config.replace(micro_batch=max(config.micro_batch, *sizes))
                              if sizes != [config.rank_batch] else config, "cpu", move=move, cuda_target=cuda_target)
+        if router is not None:
+            router.keep_built_values(step.model)
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
         if workload.max_grad_norm is not None:
@@ -401,7 +403,24 @@ def _drop_ungraded_state(step: TrainStep) -> str:
 
 
 def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Probe:
-    """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards."""
+    """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards.
+    Where the step branches on values fake tensors lack, each way is traced and the larger peak kept."""
+    with value_branches() as branches:
+        probe, sites, peaks = branches.join(_measure_step(workload, step, dev, mode, batch, notes), _peak_of)
+    if sites:
+        where = ", ".join(dict.fromkeys(sites))
+        probe.estimate.notes.append(
+            f"the step branches on values fake tensors lack ({where}): traced each way ({len(peaks)} traces), the "
+            f"largest peak kept; the ways' peaks {fmt_bytes(min(peaks))} to {fmt_bytes(max(peaks))}")
+    return probe
+
+
+def _peak_of(p: Probe) -> int:
+    e = p.estimate
+    return e.device_peak_bytes if e.device_peak_bytes is not None else e.peak_bytes
+
+
+def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch, notes: list[str]) -> Probe:
     cuda_target = dev.kind == "cuda"
     move = step.move
     # what kernels hold while they run; a CPU rank runs with its launch's thread count

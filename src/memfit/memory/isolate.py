@@ -72,6 +72,93 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
     return results
 
 
+MAX_VALUE_BRANCHES = 3  # per traced step and path: at most 2**3 traces of one step
+
+
+class ValueBranches:
+    """A traced step that branches on a value fake tensors lack (`if x.min() > eps:` on activations, as
+    I-BERT's quantisers do), traced both ways. Only in a forked tracing child: at each such branch it
+    forks again, the new process takes the `False` way and this one waits for it to finish the step, then
+    takes `True`; `join` keeps the result with the larger peak. A branch past MAX_VALUE_BRANCHES on one
+    path, or outside a child (the caller's own process is never forked), is refused: the op raises as it
+    would without this, and the estimate falls back."""
+
+    def __init__(self):
+        self.taken: list[tuple[str, object]] = []  # (site, the False way's result) of each branch this process took
+        self.depth = 0  # branches on this process's path, its ancestors' included
+        self.result_path: str | None = None  # in a process forked at a branch: where its result goes
+
+    def branch(self, site: str) -> bool | None:
+        """The answer to take at `site`, or None: refused."""
+        if _result_path is None or self.depth >= MAX_VALUE_BRANCHES:
+            return None
+        path = f"{_result_path}.branch{os.getpid()}-{len(self.taken)}"
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                self.taken, self.depth, self.result_path = [], self.depth + 1, path
+                return False
+        finally:
+            if collecting:
+                gc.enable()
+        _, status = os.waitpid(pid, 0)
+        if not os.WIFEXITED(status) or not os.path.exists(path):
+            raise EstimateError(f"the trace of the other way at {site} ended without a result")
+        with open(path, "rb") as f:
+            kind, value = pickle.load(f)
+        os.unlink(path)
+        if kind == "error":
+            raise value
+        self.depth += 1
+        self.taken.append((site, value))
+        return True
+
+    def join(self, result, peak: Callable) -> tuple[object, list[str], list[int]]:
+        """(the result with the largest peak among this process's and the ways it forked, the sites branched
+        on, every way's peak); in a forked way, hand that to the process waiting for it and end."""
+        best, sites, peaks = result, [], [peak(result)]
+        for site, (r, s, p) in self.taken:
+            sites += [site, *s]
+            peaks += p
+            if peak(r) > peak(best):
+                best = r
+        if self.result_path is not None:
+            _write_and_exit(self.result_path, ("ok", (best, sites, peaks)))
+        return best, sites, peaks
+
+
+_branches: ValueBranches | None = None  # the traced step now running in this process, if any
+
+
+@contextlib.contextmanager
+def value_branches():
+    """Around one traced step and the result made of it (see ValueBranches); a forked way that raises
+    hands the error back instead of returning into the step's callers."""
+    global _branches
+    outer, _branches = _branches, ValueBranches()
+    try:
+        yield _branches
+        if _branches.result_path is not None:  # a forked way ends in join(); never back into the callers
+            _write_and_exit(_branches.result_path, ("error", EstimateError("a traced way ended without a result")))
+    except BaseException as e:
+        if _branches.result_path is not None:
+            try:
+                pickle.dumps(e)
+            except Exception:  # noqa: BLE001 - keep its name and first line
+                e = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            _write_and_exit(_branches.result_path, ("error", e))
+        raise
+    finally:
+        _branches = outer
+
+
+def branch(site: str) -> bool | None:
+    """The way to take at a branch on a value fake tensors lack, or None (refused): see ValueBranches."""
+    return _branches.branch(site) if _branches is not None else None
+
+
 def heap_frozen() -> bool:
     """Whether objects sit in the collector's permanent generation: in a tracing child always (its parent's
     heap), elsewhere where the process froze them itself. Asked here because counting them walks the whole

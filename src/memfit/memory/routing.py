@@ -8,7 +8,8 @@ would have. Shadows come from two places only:
 
 - values known without data: integer and boolean tensors made by deterministic factories (`arange`,
   `zeros`, `full`, ... and real constants), and small floating ones (`torch.ones` attention masks, up to
-  `FLOAT_FACTORY_LIMIT_BYTES`, made while the step runs: not weights), exact;
+  `FLOAT_FACTORY_LIMIT_BYTES`; of those the build made, only the model's buffers keep theirs: I-BERT's
+  running minimum, which its first step branches on; never weights), exact;
 - the batch: tensors the workload's `batch()` draws inside `Routing.drawing()` are drawn for real beside
   their fake twins, as a measured step would draw them (token ids are small), so a model that branches on
   its inputs (`if not padding_mask.any()`, `is_global_attn = mask.any().item()`) takes the branch the real
@@ -27,7 +28,8 @@ output becomes a fake tensor of the real output's shape, with the real output as
 (`hidden[token_idx]`, `index_add_`) run on fake tensors as always, with shapes now known. A boolean mask
 with a shadow used as an index becomes the integer indices it selects. The CTC loss (`F.ctc_loss`, speech
 models), whose log-probabilities have no shadow, is sized from its target lengths' shadows alone: its tables
-grow with the longest target (`ctc_targets`, for the estimate's note).
+grow with the longest target (`ctc_targets`, for the estimate's note). A branch on a boolean without a
+shadow (`if x.min() > eps:` of activations) is traced both ways where `isolate.ValueBranches` allows it.
 
 Assumptions (each router call: T rows (tokens) choose k of E experts; a loop over experts visits them in
 index order, its backward in reverse):
@@ -63,6 +65,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 import weakref
 
 import torch
@@ -70,6 +74,7 @@ from torch.overrides import TorchFunctionMode
 
 from memfit.errors import EstimateError
 from memfit.memory.fake import is_fake
+from memfit.memory.isolate import branch
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, DEVICE_QUERY, TorchDispatchMode, answer_device_query, \
     storage_key, tree_leaves, unset_fake_temporarily
 
@@ -97,9 +102,21 @@ _CTC = {aten._ctc_loss.default, aten._ctc_loss.Tensor}
 _CTC_BACKWARD = {aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor}
 
 
+class _Held:
+    """A strong reference that reads like a weak one (`ref()`), for shadows made while building."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __call__(self) -> torch.Tensor:
+        return self.t
+
+
 @dataclasses.dataclass
 class _Shadow:
-    fake: weakref.ref
+    fake: weakref.ref | _Held
     value: torch.Tensor
     routers: frozenset  # (k, choices) of the routers whose assumed choice it derives from; empty: exact
 
@@ -119,7 +136,7 @@ class Routing(TorchDispatchMode):
         self.assumed_finite = 0  # finiteness checks answered as "all finite"
         self.ctc_targets: list[int] = []  # the longest target of each CTC loss traced
         self._drawing = False  # inside drawing(): random factories draw real values too
-        self._building = False  # inside building(): no float shadows (they would pin parameters, see there)
+        self._building = False  # inside building(): shadows hold their tensors strongly (see there)
         self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
         self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
@@ -142,14 +159,27 @@ class Routing(TorchDispatchMode):
 
     @contextlib.contextmanager
     def building(self):
-        """Build the model: small float factories get no shadows here. A shadow holds a weak reference to its
-        tensor, and `torch.utils.swap_tensors` refuses to swap a tensor that has one, so a parameter made by
-        `torch.ones` (a norm's weight) could no longer be moved or cast (`_apply(): Couldn't swap`)."""
+        """Build the model. Shadows made here hold their tensors strongly, not by a weak reference:
+        `torch.utils.swap_tensors` refuses a tensor that has one, so a parameter made by `torch.ones` (a norm's
+        weight) could not be moved or cast (`_apply(): Couldn't swap`). `keep_built_values` ends that."""
         self._building = True
         try:
             yield
         finally:
             self._building = False
+
+    def keep_built_values(self, model: torch.nn.Module) -> None:
+        """After the build: keep the exact-dtype shadows it made, and of the float ones those of the model's
+        buffers (buffers are reassigned when moved, never swapped; parameters are swapped and hold weights);
+        each kept one goes back to a weak reference."""
+        built = {k: s for k, s in self._shadows.items() if isinstance(s.fake, _Held)}
+        buffers = {id(b) for b in model.buffers()}
+        for key, s in built.items():
+            self._forget(s.fake())
+        for key, s in built.items():
+            t = s.fake()
+            if t.dtype in _EXACT_DTYPES or key in buffers:
+                self._put(t, s.value, s.routers)
 
     def shadow(self, t: torch.Tensor) -> _Shadow | None:
         s = self._shadows.get(id(t))
@@ -167,8 +197,7 @@ class Routing(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DATA_DEPENDENT_ERRORS:
             return self._data_dependent(func, args, kwargs, shadow_args)
-        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing,
-                                                                            self._building):
+        if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing):
             self._attach(out, self._real(func, shadow_args), shadow_args[2])
             if not func.is_view:
                 self.computed |= shadow_args[2]
@@ -234,9 +263,13 @@ class Routing(TorchDispatchMode):
 
     def _put(self, fake: torch.Tensor, value: torch.Tensor, routers: frozenset) -> None:
         key, storage = id(fake), storage_key(fake)
-        if key not in self._shadows:
-            weakref.finalize(fake, self._drop, key, storage)
-        self._shadows[key] = _Shadow(weakref.ref(fake), value, routers)
+        if self._building:
+            ref = _Held(fake)
+        else:
+            if key not in self._shadows:
+                weakref.finalize(fake, self._drop, key, storage)
+            ref = weakref.ref(fake)
+        self._shadows[key] = _Shadow(ref, value, routers)
         self._aliases.setdefault(storage, set()).add(key)
 
     def _drop(self, key: int, storage: int) -> None:
@@ -297,7 +330,7 @@ class Routing(TorchDispatchMode):
         indexed = self._bool_mask_as_indices(args, kwargs) if func in _BOOL_INDEXED else None
         if indexed is not None:  # `x[mask] = y` changes x in place: the op itself must run
             out = func(*indexed[0], **indexed[1])
-            if shadow_args is not None and _may_shadow(func, args, kwargs, out, self._drawing, self._building):
+            if shadow_args is not None and _may_shadow(func, args, kwargs, out, self._drawing):
                 self._attach(out, self._real(func, shadow_args), shadow_args[2])
             else:
                 self._forget_mutated(args, kwargs, out)
@@ -305,6 +338,10 @@ class Routing(TorchDispatchMode):
         in_place = func.__name__.split(".")[0].endswith("_") or "out" in kwargs
         real = None if shadow_args is None or in_place else self._real(func, shadow_args)
         if real is None:
+            if func is aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+                way = branch(_caller())  # `if <bool of values>:` traced both ways, where it may be
+                if way is not None:
+                    return way
             ctc = self._ctc(func, args) if func in _CTC or func in _CTC_BACKWARD else None
             if ctc is None:
                 raise
@@ -430,7 +467,7 @@ def _finite_check(func, args) -> bool | None:
     return None
 
 
-def _may_shadow(func, args, kwargs, out, drawing: bool, building: bool) -> bool:
+def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
     """Shadows are small, made only of values known without data, or of the batch while it is drawn."""
     fakes = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and is_fake(t)]
     if not fakes or any(t.untyped_storage().nbytes() > SHADOW_LIMIT_BYTES for t in fakes):
@@ -440,9 +477,19 @@ def _may_shadow(func, args, kwargs, out, drawing: bool, building: bool) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
-        return all(t.dtype in _EXACT_DTYPES or (not building and t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES)
-                   for t in fakes)
+        return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES for t in fakes)
     return True
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch and memfit: the model's line that branched."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in name and f"{os.sep}memfit{os.sep}" not in name:
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 def _leaves(x) -> list:
