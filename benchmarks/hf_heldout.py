@@ -82,9 +82,14 @@ def _special_ids_in_vocab(cfg) -> None:
 def shrink(cfg, nested: bool):
     import transformers
 
+    tile = getattr(getattr(cfg, "vision_config", None), "image_size", None)
     for name, sub in list(vars(cfg).items()):
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub, nested=True)
+    pinpoints = getattr(cfg, "image_grid_pinpoints", None)
+    if pinpoints and isinstance(tile, int):  # "anyres" grids (LLaVA-NeXT) in units of the shrunk tile
+        small = cfg.vision_config.image_size
+        cfg.image_grid_pinpoints = [[h * small // tile, w * small // tile] for h, w in pinpoints]
     patch, size = getattr(cfg, "patch_size", None), getattr(cfg, "image_size", None)
     patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
     if nested and isinstance(patch, int) and isinstance(size, (int, list, tuple)):  # an image classifier keeps its size

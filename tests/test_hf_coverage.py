@@ -32,6 +32,15 @@ TINY = {
                   vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
                                      num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8),
                   image_token_id=99),
+    "llava_next": dict(text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=100),
+                       vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+                       image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], image_token_id=99),
+    "smolvlm": dict(text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=100),
+                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=32, patch_size=8), scale_factor=2, image_token_id=99),
     "qwen2_vl": dict(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, vocab_size=100,
                                       rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3])),
@@ -235,6 +244,39 @@ def test_vision_language_models_put_each_images_tokens_in_place_and_match_the_pr
         assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
     with pytest.raises(WorkloadError, match="16 tokens per image; seq 16 leaves no text"):
         tiny("llava", seq=16)
+
+
+def test_anyres_images_are_the_whole_image_and_its_tiles_and_match_the_profiler():
+    """LLaVA-NeXT: an image is resized to the best of the config's grid pinpoints and cut into tiles of the
+    tower's size, after the whole image at that size: (n, tiles, C, H, W) with each image's size. A 32x32
+    image takes the 32x64 grid (3 tiles): 16 base tokens + a 4x8 feature grid cropped back to 4x4 with a
+    newline token per row (20); a 64x64 image takes 64x64 (5 tiles): 16 + 8 x (8 + 1) = 88."""
+    small, large = tiny("llava_next", seq=64), tiny("llava_next", seq=128, image_size=64)
+    b = small.batch(2)
+    assert b["pixel_values"].shape == (2, 3, 3, 32, 32) and b["image_sizes"].tolist() == [[32, 32]] * 2
+    assert ((b["input_ids"] == 99).sum(1) == 36).all() and ((b["labels"] == -100) == (b["input_ids"] == 99)).all()
+    b = large.batch(1)
+    assert b["pixel_values"].shape == (1, 5, 3, 32, 32) and ((b["input_ids"] == 99).sum(1) == 88).all()
+    cfg = Config(micro_batch=2)
+    est = memfit.estimate(small, cfg)
+    assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(small, cfg), rel=0.001)
+
+
+def test_idefics_style_images_are_5d_with_their_pixel_mask_and_match_the_profiler():
+    """SmolVLM (Idefics 3's layout): (n, images, C, H, W) and a mask of real pixels; its tower drops images
+    of zeros and masks pixels, values the meta device has not, so the tokens per image are the model's own
+    image_seq_len: 4x4 patches pixel-shuffled 2x2, 4 tokens, as its tower gives on a real image."""
+    wl = tiny("smolvlm", seq=32)
+    b = wl.batch(2)
+    assert b["pixel_values"].shape == (2, 1, 3, 32, 32) and b["pixel_attention_mask"].shape == (2, 1, 32, 32)
+    features = wl.model().get_image_features(pixel_values=b["pixel_values"][:1])
+    tokens = sum(t.shape[:-1].numel() for t in getattr(features, "pooler_output", features))  # one per image
+    assert tokens == 4 and ((b["input_ids"] == 99).sum(1) == tokens).all()
+    cfg = Config(micro_batch=2)
+    est = memfit.estimate(wl, cfg)
+    assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
+    with pytest.raises(WorkloadError, match="takes images at its vision tower's size"):
+        tiny("smolvlm", seq=32, image_size=64)
 
 
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():

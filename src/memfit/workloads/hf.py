@@ -426,12 +426,15 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
     """For a vision-language model: `ids -> batch`, one image per row. The image's placeholder tokens sit
     after the row's first token, as many as the vision tower gives features for one image (counted by
     running it on the meta device: projectors pool, crop or merge patches in ways no config field says),
-    and are left out of the loss, as chat templates and collators leave them. Two input layouts:
-    pixel_values (n, C, H, W) (LLaVA, PaliGemma, Gemma 3, InternVL, ...; with each image's size where the
-    vision tower needs it), or Qwen2-VL's rows of flattened patches with each image's (t, h, w) grid, kept
-    per row in the batch (so it splits into micro-batches) and joined in the loss; there an image is
-    t*h*w / merge**2 tokens, by the layout's definition (its vision tower reads the grid's values, which the
-    meta device has not)."""
+    and are left out of the loss, as chat templates and collators leave them. Input layouts:
+    - pixel_values (n, C, H, W) (LLaVA, PaliGemma, Gemma 3, InternVL, ...), with each image's size where
+      the vision tower needs it;
+    - "anyres" (LLaVA-NeXT, OneVision): (n, tiles, C, H, W), the whole image and its tiles, with its size;
+    - Idefics 2/3, SmolVLM: (n, 1, C, H, W) with a mask of real pixels; tokens per image are the model's
+      own `image_seq_len` (their towers read pixel values, which the meta device has not);
+    - Qwen2-VL's rows of flattened patches with each image's (t, h, w) grid, kept per row in the batch (so
+      it splits into micro-batches) and joined in the loss; there an image is t*h*w / merge**2 tokens, by
+      the layout's definition (its vision tower reads the grid's values)."""
     vision = getattr(cfg, "vision_config", None) or cfg
     token = getattr(cfg, "image_token_id", None)
     token = getattr(cfg, "image_token_index", None) if token is None else token
@@ -446,9 +449,23 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         pixels = torch.empty(1, side * side, channels * temporal * patch * patch)
         extra = {"image_grid_thw": torch.tensor([[1, side, side]])}
         count = side * side // (merge * merge)
+    elif "pixel_attention_mask" in takes:  # Idefics 2/3, SmolVLM: (n, images, C, H, W), which pixels are real
+        tile = vision.image_size
+        if image_size is not None and _sides(image_size) != _sides(tile):
+            raise WorkloadError(f"hf: {cfg.model_type} takes images at its vision tower's size ({tile}); its processor "
+                                "splits larger ones into several, which memfit's image-text batches do not make")
+        height, width = _sides(tile)
+        pixels = torch.empty(1, 1, channels, height, width)
+        extra = {"pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
+        count = _declared_image_tokens(build, cfg.model_type)
+    elif _tiles(cfg, 1, 1) is not None:  # "anyres" (LLaVA-NeXT, OneVision): the image and its tiles
+        tile = vision.image_size
+        height, width = _sides(image_size or tile)
+        pixels = torch.empty(1, _tiles(cfg, height, width), channels, tile, tile)
+        extra = {"image_sizes": torch.tensor([[height, width]])}
+        count = _image_tokens(build, pixels, extra, cfg.model_type)
     else:
-        size = image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        height, width = _sides(image_size or getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE)
         pixels = torch.empty(1, channels, height, width)
         sizes = {"image_sizes": torch.tensor([[height, width]])} if "image_sizes" in takes else {}
         try:  # without sizes first: LLaVA takes them but, given them, splits features as Pixtral's images
@@ -482,14 +499,47 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
     return batch
 
 
+def _sides(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def _tiles(cfg, height: int, width: int) -> int | None:
+    """For "anyres" models (a config with `image_grid_pinpoints`): how many tiles an image of this size
+    becomes, the whole image at the vision tower's size included, by the model's own
+    `image_size_to_num_patches` (resized to the best of the pinpoints, then cut). None for other models."""
+    pinpoints = getattr(cfg, "image_grid_pinpoints", None)
+    module = sys.modules.get(getattr(_model_class(cfg, "image-text"), "__module__", ""))
+    count = getattr(module, "image_size_to_num_patches", None)
+    if not pinpoints or count is None:
+        return None
+    return int(count((height, width), pinpoints, cfg.vision_config.image_size))
+
+
+def _declared_image_tokens(build, model_type: str) -> int:
+    """Tokens per image where the model states them (`image_seq_len`: Idefics 2's resampler latents,
+    Idefics 3's and SmolVLM's patches pixel-shuffled by scale_factor): their vision towers skip images that
+    are all zeros and mask padded pixels, values the meta device has not, so they cannot be counted there."""
+    model = _meta_model(build, model_type)
+    for m in model.modules():
+        count = getattr(m, "image_seq_len", None)
+        if isinstance(count, int):
+            return count
+    raise WorkloadError(f"hf: {model_type} states no image_seq_len, which memfit's image-text batches need to "
+                        "place an image's tokens")
+
+
+def _meta_model(build, model_type: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        try:
+            return build()
+        except Exception as e:  # noqa: BLE001 - the config's own fault, said in one line
+            raise WorkloadError(f"hf: the {model_type} config does not build: {type(e).__name__}: {e}") from None
+
+
 def _image_tokens(build, pixels: torch.Tensor, extra: dict, model_type: str) -> int:
     """How many features the model's vision side makes of one image: its `get_image_features` run on the
     meta device (no memory, no values)."""
-    with torch.device("meta"):
-        try:
-            model = build()
-        except Exception as e:  # noqa: BLE001 - the config's own fault, said in one line
-            raise WorkloadError(f"hf: the {model_type} config does not build: {type(e).__name__}: {e}") from None
+    model = _meta_model(build, model_type)
     try:
         with torch.device("meta"):
             features = model.get_image_features(pixel_values=pixels.to("meta"), **extra)
