@@ -101,6 +101,8 @@ def raising(marker, error: str):
                 raise ValueError("inputs_embeds cannot be None")  # as transformers' models check their inputs
             if error == "check":  # transformers' torch_compilable_check: torch raises the type its caller names
                 torch._check_with(ValueError, x.shape[-1] == 2 * FEATURES, lambda: "image features do not match")
+            if error == "shape":  # a config whose sizes do not fit together (Idefics 3's 7x7 patches shuffled 2x2)
+                return self.proj(x).view(x.shape[0], 3, -1, 2).mean()
             return torch.topk(self.proj(x), k=None).values  # a config value that is None: torch's parser refuses
 
     return memfit.Workload(model=Broken, batch=lambda n: torch.randn(n, ROWS, FEATURES),
@@ -109,7 +111,8 @@ def raising(marker, error: str):
 
 @pytest.mark.parametrize("error, says", [("raise", "ValueError: inputs_embeds cannot be None"),
                                          ("check", "ValueError: image features do not match"),
-                                         ("argument", "TypeError: topk(): argument 'k'")])
+                                         ("argument", "TypeError: topk(): argument 'k'"),
+                                         ("shape", "RuntimeError: shape '[2, 3, -1, 2]' is invalid for input")])
 def test_an_error_the_workloads_own_code_raises_is_reported_without_a_real_step(monkeypatch, tmp_path, error, says):
     """A real step would raise it too, so none is run: for a model larger than the host, the answer was a
     HostMemoryError blaming fake tensors; for one that fits, a real step that could only fail."""

@@ -252,13 +252,20 @@ def _on_fake(workload: Workload, config: Config, dev: Device) -> Probe:
 # batch: not `tracker.machinery`; a check it asks torch to make, `torch._check_with(ValueError, ...)`, is its
 # own too), or by torch's argument parser before any kernel runs: a real step raises them too. Fake tensors'
 # own failures (data-dependent values, missing meta kernels) are RuntimeErrors or NotImplementedErrors, and
-# torch's checks inside kernels (ValueError, IndexError too) raise in torch's code.
+# torch's checks inside kernels (ValueError, IndexError too) raise in torch's code. Except sizes that do not
+# fit together (a view, a matmul, a broadcast, a split): fake tensors carry exact shapes, so a real step
+# fails the same check (a default config whose patch grid does not divide by its pixel shuffle).
 _WORKLOAD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, AssertionError, NameError,
                     ZeroDivisionError)
 _ARGUMENT_PARSER = re.compile(r"^[\w.]+\(\)(: argument '\w+'| received an invalid combination of arguments)")
+_SHAPE_MISMATCH = re.compile(r"^(shape '\[[-\d, ]*\]' is invalid for input of size \d+|mat1 and mat2 shapes cannot be "
+                             r"multiplied|The size of tensor a \(\d+\) must match the size of tensor b \(\d+\)|"
+                             r"split_with_sizes expects split_sizes to sum exactly to \d+)")
 
 
 def _raised_by_workload(e: BaseException) -> bool:
+    if type(e) is RuntimeError and _SHAPE_MISMATCH.match(str(e)):
+        return True
     if not isinstance(e, _WORKLOAD_ERRORS) or isinstance(e, MemfitError):
         return False
     if isinstance(e, TypeError) and _ARGUMENT_PARSER.match(str(e)):
