@@ -84,7 +84,7 @@ class ValueBranches:
     would without this, and the estimate falls back."""
 
     def __init__(self):
-        self.taken: list[tuple[str, object]] = []  # (site, the False way's result) of each branch this process took
+        self.taken: list[tuple[str, tuple]] = []  # (site, what the False way's join gave) of each branch taken here
         self.depth = 0  # branches on this process's path, its ancestors' included
         self.result_path: str | None = None  # in a process forked at a branch: where its result goes
 
@@ -144,11 +144,7 @@ def value_branches():
             _write_and_exit(_branches.result_path, ("error", EstimateError("a traced way ended without a result")))
     except BaseException as e:
         if _branches.result_path is not None:
-            try:
-                pickle.dumps(e)
-            except Exception:  # noqa: BLE001 - keep its name and first line
-                e = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            _write_and_exit(_branches.result_path, ("error", e))
+            _write_and_exit(_branches.result_path, ("error", _picklable(e)))
         raise
     finally:
         _branches = outer
@@ -191,19 +187,25 @@ def _child(fn: Callable, path: str, collecting: bool) -> None:
     try:
         result = ("ok", fn())
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        try:
-            pickle.dumps(e)
-            result = ("error", e)
-        except Exception:  # not picklable: keep its name, first line and the notes memfit attached to it
-            error = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            error.memfit_partial = getattr(e, "memfit_partial", None)
-            error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
-            result = ("error", error)
+        result = ("error", _picklable(e))
     try:  # what this child's fake tensors learned about ops, for the children forked after it
         ops_seen = fast_cache_entries(cached)
     except Exception:  # noqa: BLE001 - only a speed-up
         ops_seen = None
     _write_and_exit(path, (result, ops_seen))
+
+
+def _picklable(e: BaseException) -> BaseException:
+    """`e` itself, or where it does not pickle an EstimateError with its name, first line and the notes
+    memfit attached to it."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        error = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        error.memfit_partial = getattr(e, "memfit_partial", None)
+        error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
+        return error
 
 
 def _write_and_exit(path: str, result) -> None:

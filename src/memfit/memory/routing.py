@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import sys
 import weakref
 
 import torch
@@ -75,6 +73,7 @@ from torch.overrides import TorchFunctionMode
 from memfit.errors import EstimateError
 from memfit.memory.fake import is_fake
 from memfit.memory.isolate import branch
+from memfit.memory.tracker import source_line
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, DEVICE_QUERY, TorchDispatchMode, answer_device_query, \
     storage_key, tree_leaves, unset_fake_temporarily
 
@@ -339,7 +338,7 @@ class Routing(TorchDispatchMode):
         real = None if shadow_args is None or in_place else self._real(func, shadow_args)
         if real is None:
             if func is aten._local_scalar_dense.default and args[0].dtype == torch.bool:
-                way = branch(_caller())  # `if <bool of values>:` traced both ways, where it may be
+                way = branch(source_line().partition(" in ")[0] or "?")  # traced both ways, where it may be
                 if way is not None:
                     return way
             ctc = self._ctc(func, args) if func in _CTC or func in _CTC_BACKWARD else None
@@ -479,17 +478,6 @@ def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
     if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
         return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES for t in fakes)
     return True
-
-
-def _caller() -> str:
-    """file:line of the innermost frame outside torch and memfit: the model's line that branched."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if f"{os.sep}torch{os.sep}" not in name and f"{os.sep}memfit{os.sep}" not in name:
-            return f"{os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
 
 
 def _leaves(x) -> list:
