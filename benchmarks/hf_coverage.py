@@ -58,9 +58,12 @@ def one(model_type: str) -> dict:
                                 **({} if task == "image" else {"seq": VLM_SEQ if task == "image-text" else SEQ}))
         except WorkloadError as e:  # Reformer trains only at the length its axial position table factors;
             shorter = re.search(r"longer than this model's (\d+) positions", str(e))  # Florence-2: 1,024
-            if "trains only at seq" not in str(e) and not (task == "image-text" and shorter):
+            image = re.search(r"puts (\d+) tokens per image", str(e))  # Mistral 3's 1,540-pixel images: 3,025
+            if "trains only at seq" not in str(e) and not (task == "image-text" and (shorter or image)):
                 raise
-            wl = hf.from_config(cfg, name=f"hf:{model_type}", **({"seq": int(shorter.group(1))} if shorter else {}))
+            seq = {"seq": int(shorter.group(1))} if shorter else \
+                {"seq": -(-(int(image.group(1)) + 512) // 1024) * 1024} if image else {}
+            wl = hf.from_config(cfg, name=f"hf:{model_type}", **seq)
             row["seq"] = wl.batch(1)["input_ids"].shape[1]
         with torch.device("meta"):
             model = wl.model()

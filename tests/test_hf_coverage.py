@@ -41,6 +41,11 @@ TINY = {
                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=100),
                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                        image_size=32, patch_size=8), scale_factor=2, image_token_id=99),
+    "mistral3": dict(text_config=dict(model_type="mistral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=100),
+                     vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, head_dim=16, image_size=64, patch_size=8),
+                     spatial_merge_size=2, image_token_id=99),
     "qwen2_vl": dict(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, vocab_size=100,
                                       rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3])),
@@ -277,6 +282,21 @@ def test_idefics_style_images_are_5d_with_their_pixel_mask_and_match_the_profile
     assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
     with pytest.raises(WorkloadError, match="takes images at its vision tower's size"):
         tiny("smolvlm", seq=32, image_size=64)
+
+
+def test_mistral3_images_are_counted_by_its_merge_rule_and_match_the_profiler():
+    """Mistral 3 splits its tower's features per image by (H / (patch x merge)) x (W / (patch x merge)), a rule
+    that reads the sizes' values (the meta device has none): a 48-pixel image in 8-pixel patches merged 2x2 is
+    3 x 3 = 9 tokens, as many as its tower gives for the real image."""
+    wl = tiny("mistral3", seq=32, image_size=48)
+    b = wl.batch(2)
+    assert b["pixel_values"].shape == (2, 3, 48, 48) and b["image_sizes"].tolist() == [[48, 48]] * 2
+    features = wl.model().get_image_features(pixel_values=b["pixel_values"][:1], image_sizes=b["image_sizes"][:1])
+    tokens = sum(t.shape[0] for t in features.pooler_output)
+    assert tokens == 9 and ((b["input_ids"] == 99).sum(1) == tokens).all()
+    cfg = Config(micro_batch=2)
+    est = memfit.estimate(wl, cfg)
+    assert est.method == "fake" and est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.001)
 
 
 def test_transformers_own_gradient_checkpointing_matches_the_profiler():

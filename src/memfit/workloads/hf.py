@@ -473,7 +473,16 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         except WorkloadError:
             if not sizes:
                 raise
-            count, extra = _image_tokens(build, pixels, sizes, cfg.model_type), sizes
+            try:
+                count, extra = _image_tokens(build, pixels, sizes, cfg.model_type), sizes
+            except WorkloadError:
+                merge = getattr(cfg, "spatial_merge_size", None)
+                if not isinstance(merge, int):
+                    raise
+                # Mistral 3: the tower's patches merged merge x merge, its features split per image by this
+                # rule, which reads the sizes' values (the meta device has none)
+                side = vision.patch_size * merge
+                count, extra = (height // side) * (width // side), sizes
     start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
     marks = [t for t in (start, end) if isinstance(t, int)]
     if count + len(marks) + 1 > seq:
