@@ -79,13 +79,14 @@ def _special_ids_in_vocab(cfg) -> None:
                 setattr(c, name, moved.setdefault(value, vocab - 1 - len(moved)))
 
 
-def shrink(cfg, nested: bool):
+def shrink(cfg, nested: bool, mrope: bool = False):
     import transformers
 
     tile = getattr(getattr(cfg, "vision_config", None), "image_size", None)
+    mrope = mrope or _reads_mrope(cfg.model_type)  # GLM-4V's text config names no sections; its code has them
     for name, sub in list(vars(cfg).items()):
         if isinstance(sub, transformers.PretrainedConfig):
-            shrink(sub, nested=True)
+            shrink(sub, nested=True, mrope=mrope)
     pinpoints = getattr(cfg, "image_grid_pinpoints", None)
     if pinpoints and isinstance(tile, int):  # "anyres" grids (LLaVA-NeXT) in units of the shrunk tile
         small = cfg.vision_config.image_size
@@ -95,14 +96,35 @@ def shrink(cfg, nested: bool):
     if nested and isinstance(patch, int) and isinstance(size, (int, list, tuple)):  # an image classifier keeps its size
         cfg.image_size = 4 * patch if isinstance(size, int) else type(size)([4 * patch] * len(size))
     rope = getattr(cfg, "rope_parameters", None)
-    # M-RoPE splits head_dim / 2 into sections (Qwen2-VL's code defaults to [16, 24, 24] where none is set)
-    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or "_vl" in cfg.model_type):
-        rope["mrope_section"] = [2, 3, 3][:len(rope.get("mrope_section", [0] * 3))]
+    # M-RoPE splits the rotary half of the head (SMALL's head_dim, 16) into sections (Qwen2-VL's code defaults
+    # to [16, 24, 24] where none is set): [2, 3, 3], or [2, 1, 1] where only half the head rotates
+    if isinstance(rope, dict) and (isinstance(rope.get("mrope_section"), list) or "_vl" in cfg.model_type or mrope):
+        half = int(SMALL["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        rope["mrope_section"] = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8][
+            :len(rope.get("mrope_section", [0] * 3))]
     for name, value in SMALL.items():
         current = getattr(cfg, name, None)
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(cfg, name, value)
+    experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
+    if isinstance(experts, int) and getattr(cfg, "num_experts_per_tok", 0) > experts:  # top-8 of the 4 kept
+        cfg.num_experts_per_tok = 2
     return cfg
+
+
+def _reads_mrope(model_type: str) -> bool:
+    """Whether the model's code splits rotary frequencies into M-RoPE sections (a default it keeps there)."""
+    import importlib
+    import inspect
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type_to_module_name(model_type)}")
+        modeling = importlib.import_module(f"{module.__name__}.modeling_{module.__name__.rsplit('.', 1)[1]}")
+        return "mrope_section" in inspect.getsource(modeling)
+    except Exception:  # noqa: BLE001 - no such module: nothing to shrink
+        return False
 
 
 def table(task: str) -> list[str]:

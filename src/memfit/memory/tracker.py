@@ -124,17 +124,21 @@ def source_line() -> str:
 
 
 def short_path(filename: str) -> str:
-    """Relative to the working directory when under it, else from its package folder on."""
+    """An installed package's file from its package folder on; else relative to the working directory when
+    under it, else its folder and name."""
     return _short_path(filename, os.getcwd())
 
 
 @functools.lru_cache(maxsize=4096)  # asked for every allocation a traced step makes, of a few hundred files
 def _short_path(filename: str, cwd: str) -> str:
     path = os.path.abspath(os.path.join(cwd, filename))
+    parts = path.split(os.sep)
+    for folder in ("site-packages", "dist-packages"):  # an installed package (a virtualenv under cwd too)
+        if folder in parts:
+            return os.sep.join(parts[len(parts) - parts[::-1].index(folder):])
     cwd = os.path.join(cwd, "")
     if path.startswith(cwd):
         return path[len(cwd):]
-    parts = path.split(os.sep)
     return os.sep.join(parts[-2:])
 
 
