@@ -107,7 +107,7 @@ def shrink(cfg, nested: bool, mrope: bool = False):
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(cfg, name, value)
     experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
-    if isinstance(experts, int) and getattr(cfg, "num_experts_per_tok", 0) > experts:  # top-8 of the 4 kept
+    if isinstance(experts, int) and (getattr(cfg, "num_experts_per_tok", None) or 0) > experts:  # top-8 of 4 kept
         cfg.num_experts_per_tok = 2
     return cfg
 

@@ -449,7 +449,8 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         pixels = torch.empty(1, side * side, channels * temporal * patch * patch)
         extra = {"image_grid_thw": torch.tensor([[1, side, side]])}
         count = side * side // (merge * merge)
-    elif "pixel_attention_mask" in takes:  # Idefics 2/3, SmolVLM: (n, images, C, H, W), which pixels are real
+    elif "pixel_attention_mask" in takes and isinstance(getattr(vision, "image_size", None), int):
+        # Idefics 2/3, SmolVLM: (n, images, C, H, W), which pixels are real
         tile = vision.image_size
         if image_size is not None and _sides(image_size) != _sides(tile):
             raise WorkloadError(f"hf: {cfg.model_type} takes images at its vision tower's size ({tile}); its processor "
