@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SEQ = 256
-VLM_SEQ = 2048  # a vision-language row holds its image's tokens too (LLaVA-1.5: 576, LLaVA-1.6: 1,176, OneVision: 1,485)
+VLM_SEQ = 2048  # a vision-language row holds its image's tokens too (LLaVA-1.5: 576, 1.6: 1,176, OneVision: 1,485)
 RSS_CAP = 6 * 2**30  # far over the 3 GiB goal; only there to keep a runaway child from hurting the machine
 TABLES = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
           "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")

@@ -409,13 +409,15 @@ def test_a_buffer_the_build_fills_keeps_its_value_for_the_step_that_branches_on_
 class _Branching(nn.Module):
     """`if <activation values>:` n times in a row; the False way holds a larger activation for backward."""
 
-    def __init__(self, branches: int, fixed: bool | None = None):
+    def __init__(self, branches: int, fixed: bool | None = None, checked: bool = False):
         super().__init__()
         self.lin = nn.Linear(32, 32)
-        self.branches, self.fixed = branches, fixed
+        self.branches, self.fixed, self.checked = branches, fixed, checked
 
     def forward(self, x):
         h = self.lin(x)
+        if self.checked:  # a check a step that trains passes: its other way raises
+            assert (h.abs() < 1e6).all(), "activations blew up"
         for _ in range(self.branches):
             if not (h.mean() > 0 if self.fixed is None else self.fixed):
                 wide = torch.cat([h, h], dim=1).tanh()  # kept for backward
@@ -424,8 +426,9 @@ class _Branching(nn.Module):
         return h
 
 
-def _branching(branches: int, fixed: bool | None = None) -> memfit.Workload:
-    return memfit.Workload(model=lambda: _Branching(branches, fixed), batch=lambda n: {"x": torch.randn(n, 32)},
+def _branching(branches: int, fixed: bool | None = None, checked: bool = False) -> memfit.Workload:
+    return memfit.Workload(model=lambda: _Branching(branches, fixed, checked),
+                           batch=lambda n: {"x": torch.randn(n, 32)},
                            loss=lambda model, b: model(b["x"]).square().mean(),
                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), name="branching")
 
@@ -444,6 +447,10 @@ def test_a_branch_on_activation_values_is_traced_both_ways_and_the_larger_peak_k
     assert memfit.estimate(_branching(1), config, isolate=False).method == "measured"
     assert memfit.estimate(_branching(3), config).peak_bytes == memfit.estimate(_branching(3, False), config).peak_bytes
     assert memfit.estimate(_branching(4), config).method == "measured"
+    checked = memfit.estimate(_branching(1, checked=True), config)  # 3 ways, the one that raised dropped
+    assert checked.method == "fake" and checked.peak_bytes == est.peak_bytes
+    note = next(n for n in checked.notes if "branches on values" in n)
+    assert "(3 traces)" in note and "1 raised in the model's code and were dropped (AssertionError: activations" in note
 
 
 class _KeepsATable(nn.Module):

@@ -413,12 +413,17 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     """One step of `step` on `batch` with both tracers running; everything live is labelled afterwards.
     Where the step branches on values fake tensors lack, each way is traced and the larger peak kept."""
     with value_branches() as branches:
-        probe, sites, peaks = branches.join(_measure_step(workload, step, dev, mode, batch, notes), _peak_of)
-    if sites:
-        where = ", ".join(dict.fromkeys(sites))
+        ways = branches.join(lambda: _measure_step(workload, step, dev, mode, batch, notes), _peak_of,
+                             _raised_by_workload)
+    probe = ways.best
+    if ways.sites:
+        where = ", ".join(dict.fromkeys(ways.sites))
+        dropped = f"; {len(ways.raised)} raised in the model's code and were dropped ({ways.raised[0]})" \
+            if ways.raised else ""
         probe.estimate.notes.append(
-            f"the step branches on values fake tensors lack ({where}): traced each way ({len(peaks)} traces), the "
-            f"largest peak kept; the ways' peaks {fmt_bytes(min(peaks))} to {fmt_bytes(max(peaks))}")
+            f"the step branches on values fake tensors lack ({where}): traced each way "
+            f"({len(ways.peaks) + len(ways.raised)} traces), the largest peak kept; the ways' peaks "
+            f"{fmt_bytes(min(ways.peaks))} to {fmt_bytes(max(ways.peaks))}{dropped}")
     return probe
 
 

@@ -3,6 +3,7 @@ killing memfit, and fake tracing (single-threaded Python) uses every core."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import os
@@ -75,18 +76,29 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
 MAX_VALUE_BRANCHES = 3  # per traced step and path: at most 2**3 traces of one step
 
 
+@dataclasses.dataclass
+class Ways:
+    """What the ways traced from one point of a step gave: the result with the largest peak (None: each
+    way raised), the sites branched on, each finished way's peak, and what each way that raised said."""
+    best: object | None
+    sites: list[str]
+    peaks: list[int]
+    raised: list[str]
+
+
 class ValueBranches:
     """A traced step that branches on a value fake tensors lack (`if x.min() > eps:` on activations, as
     I-BERT's quantisers do), traced both ways. Only in a forked tracing child: at each such branch it
     forks again, the new process takes the `False` way and this one waits for it to finish the step, then
-    takes `True`; `join` keeps the result with the larger peak. A branch past MAX_VALUE_BRANCHES on one
-    path, or outside a child (the caller's own process is never forked), is refused: the op raises as it
-    would without this, and the estimate falls back."""
+    takes `True`; `join` keeps the result with the larger peak. A way whose own code raises (`assert
+    x.min() >= 0`) is dropped, as a step that trains goes the other way; if every way raises, the error
+    stands. A branch past MAX_VALUE_BRANCHES on one path, or outside a child (the caller's own process is
+    never forked), is refused: the op raises as it would without this, and the estimate falls back."""
 
     def __init__(self):
-        self.taken: list[tuple[str, tuple]] = []  # (site, what the False way's join gave) of each branch taken here
+        self.taken: list[tuple[str, Ways]] = []  # (site, what the False way gave) of each branch taken here
         self.depth = 0  # branches on this process's path, its ancestors' included
-        self.result_path: str | None = None  # in a process forked at a branch: where its result goes
+        self.result_path: str | None = None  # in a process forked at a branch: where its Ways go
 
     def branch(self, site: str) -> bool | None:
         """The answer to take at `site`, or None: refused."""
@@ -109,24 +121,33 @@ class ValueBranches:
         with open(path, "rb") as f:
             kind, value = pickle.load(f)
         os.unlink(path)
-        if kind == "error":
+        if kind == "error":  # refused further down, or memfit's own failure: nothing can be bounded
             raise value
         self.depth += 1
         self.taken.append((site, value))
         return True
 
-    def join(self, result, peak: Callable) -> tuple[object, list[str], list[int]]:
-        """(the result with the largest peak among this process's and the ways it forked, the sites branched
-        on, every way's peak); in a forked way, hand that to the process waiting for it and end."""
-        best, sites, peaks = result, [], [peak(result)]
-        for site, (r, s, p) in self.taken:
-            sites += [site, *s]
-            peaks += p
-            if peak(r) > peak(best):
-                best = r
+    def join(self, run: Callable, peak: Callable, droppable: Callable[[BaseException], bool]) -> Ways:
+        """`run()` (the rest of this way's step), then the ways forked from it. In a forked way, hand the
+        Ways to the process waiting for it and end; where every way raised, raise this one's error."""
+        try:
+            result = run()
+            ways = Ways(result, [], [peak(result)], [])
+        except Exception as e:
+            if not (droppable(e) and (self.taken or self.result_path is not None)):
+                raise
+            error, ways = e, Ways(None, [], [], [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"])
+        for site, way in self.taken:
+            ways.sites += [site, *way.sites]
+            ways.peaks += way.peaks
+            ways.raised += way.raised
+            if way.best is not None and (ways.best is None or peak(way.best) > peak(ways.best)):
+                ways.best = way.best
         if self.result_path is not None:
-            _write_and_exit(self.result_path, ("ok", (best, sites, peaks)))
-        return best, sites, peaks
+            _write_and_exit(self.result_path, ("ok", ways))
+        if ways.best is None:
+            raise error
+        return ways
 
 
 _branches: ValueBranches | None = None  # the traced step now running in this process, if any
