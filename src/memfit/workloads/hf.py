@@ -459,10 +459,10 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
         pixels = torch.empty(1, 1, channels, height, width)
         extra = {"pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
         count = _declared_image_tokens(build, cfg.model_type)
-    elif _tiles(cfg, 1, 1) is not None:  # "anyres" (LLaVA-NeXT, OneVision): the image and its tiles
+    elif (tiles := _anyres_tiles(cfg)) is not None:  # LLaVA-NeXT, OneVision: the image and its tiles
         tile = vision.image_size
         height, width = _sides(image_size or tile)
-        pixels = torch.empty(1, _tiles(cfg, height, width), channels, tile, tile)
+        pixels = torch.empty(1, tiles(height, width), channels, tile, tile)
         extra = {"image_sizes": torch.tensor([[height, width]])}
         count = _image_tokens(build, pixels, extra, cfg.model_type)
     else:
@@ -477,12 +477,12 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
             try:
                 count, extra = _image_tokens(build, pixels, sizes, cfg.model_type), sizes
             except WorkloadError:
-                merge = getattr(cfg, "spatial_merge_size", None)
-                if not isinstance(merge, int):
+                merge, patch = getattr(cfg, "spatial_merge_size", None), getattr(vision, "patch_size", None)
+                if not (isinstance(merge, int) and isinstance(patch, int)):
                     raise
                 # Mistral 3: the tower's patches merged merge x merge, its features split per image by this
                 # rule, which reads the sizes' values (the meta device has none)
-                side = vision.patch_size * merge
+                side = patch * merge
                 count, extra = (height // side) * (width // side), sizes
     start, end = getattr(cfg, "vision_start_token_id", None), getattr(cfg, "vision_end_token_id", None)
     marks = [t for t in (start, end) if isinstance(t, int)]
@@ -513,8 +513,8 @@ def _sides(size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def _tiles(cfg, height: int, width: int) -> int | None:
-    """For "anyres" models (a config with `image_grid_pinpoints`): how many tiles an image of this size
+def _anyres_tiles(cfg):
+    """For "anyres" models (a config with `image_grid_pinpoints`): `(height, width) -> tiles` an image
     becomes, the whole image at the vision tower's size included, by the model's own
     `image_size_to_num_patches` (resized to the best of the pinpoints, then cut). None for other models."""
     pinpoints = getattr(cfg, "image_grid_pinpoints", None)
@@ -522,7 +522,7 @@ def _tiles(cfg, height: int, width: int) -> int | None:
     count = getattr(module, "image_size_to_num_patches", None)
     if not pinpoints or count is None:
         return None
-    return int(count((height, width), pinpoints, cfg.vision_config.image_size))
+    return lambda height, width: int(count((height, width), pinpoints, cfg.vision_config.image_size))
 
 
 def _declared_image_tokens(build, model_type: str) -> int:
