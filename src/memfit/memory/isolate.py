@@ -92,8 +92,9 @@ class ValueBranches:
     forks again, the new process takes the `False` way and this one waits for it to finish the step, then
     takes `True`; `join` keeps the result with the larger peak. A way whose own code raises (`assert
     x.min() >= 0`) is dropped, as a step that trains goes the other way; if every way raises, the error
-    stands. A branch past MAX_VALUE_BRANCHES on one path, or outside a child (the caller's own process is
-    never forked), is refused: the op raises as it would without this, and the estimate falls back."""
+    stands. A branch past MAX_VALUE_BRANCHES on one path fails the trace with an EstimateError that says so;
+    outside a child (the caller's own process is never forked) the op raises as it would without this.
+    Either way the estimate falls back."""
 
     def __init__(self):
         self.taken: list[tuple[str, Ways]] = []  # (site, what the False way gave) of each branch taken here
@@ -101,9 +102,12 @@ class ValueBranches:
         self.result_path: str | None = None  # in a process forked at a branch: where its Ways go
 
     def branch(self, site: str) -> bool | None:
-        """The answer to take at `site`, or None: refused."""
-        if _result_path is None or self.depth >= MAX_VALUE_BRANCHES:
+        """The answer to take at `site`; None outside a tracing child (the op raises as without this)."""
+        if _result_path is None:
             return None
+        if self.depth >= MAX_VALUE_BRANCHES:
+            raise EstimateError(f"the step branches on values fake tensors lack more than {MAX_VALUE_BRANCHES} "
+                                f"times on one path (at {site})")
         path = f"{_result_path}.branch{os.getpid()}-{len(self.taken)}"
         collecting = gc.isenabled()
         gc.disable()
