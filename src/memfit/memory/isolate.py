@@ -140,7 +140,7 @@ class ValueBranches:
         except Exception as e:
             if not (droppable(e) and (self.taken or self.result_path is not None)):
                 raise
-            error, ways = e, Ways(None, [], [], [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"])
+            error, ways = e, Ways(None, [], [], [_first_line(e)])
         for site, way in self.taken:
             ways.sites += [site, *way.sites]
             ways.peaks += way.peaks
@@ -227,10 +227,14 @@ def _picklable(e: BaseException) -> BaseException:
         pickle.dumps(e)
         return e
     except Exception:  # noqa: BLE001 - whatever pickling raises
-        error = EstimateError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        error = EstimateError(_first_line(e))
         error.memfit_partial = getattr(e, "memfit_partial", None)
         error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
         return error
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _write_and_exit(path: str, result) -> None:
