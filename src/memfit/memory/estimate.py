@@ -422,7 +422,7 @@ def _measure(workload: Workload, step: TrainStep, dev: Device, mode, batch, note
     probe = ways.best
     if ways.sites:
         where = ", ".join(dict.fromkeys(ways.sites))
-        dropped = f"; {len(ways.raised)} raised in the model's code and were dropped ({ways.raised[0]})" \
+        dropped = f"; dropped {len(ways.raised)} way(s) that raised in the model's own code ({ways.raised[0]})" \
             if ways.raised else ""
         probe.estimate.notes.append(
             f"the step branches on values fake tensors lack ({where}): traced each way "
