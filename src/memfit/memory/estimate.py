@@ -362,13 +362,15 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
         if not cuda_target and (config.offload_activations or config.offload_optimizer):
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()
-        built = [(m, name, b) for m in step.model.modules() for name, b in m.named_buffers(recurse=False)]
+        # on fake tensors each traced step starts from the buffers as built, whose values are known (I-BERT
+        # reassigns its running minimum from activations every forward)
+        built = [(m, name, b) for m in step.model.modules() for name, b in m.named_buffers(recurse=False)] \
+            if fake else []
 
         def draw(size):  # on fake tensors, the batch is drawn for real beside them where it is small
+            for m, name, b in built:
+                setattr(m, name, b)
             with router.drawing() if router is not None else contextlib.nullcontext():
-                if fake:  # each traced step starts from the buffers as built, whose values are known (I-BERT
-                    for m, name, b in built:  # reassigns its running minimum from activations every forward)
-                        setattr(m, name, b)
                 return workload.batch(size)
 
         for i, size in enumerate(sizes):

@@ -173,7 +173,7 @@ class Routing(TorchDispatchMode):
         each kept one goes back to a weak reference."""
         built = {k: s for k, s in self._shadows.items() if isinstance(s.fake, _Held)}
         buffers = {id(b) for b in model.buffers()}
-        for key, s in built.items():
+        for s in built.values():
             self._forget(s.fake())
         for key, s in built.items():
             t = s.fake()
