@@ -362,18 +362,22 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
         if not cuda_target and (config.offload_activations or config.offload_optimizer):
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()
-        # on fake tensors each traced step starts from the buffers as built, whose values are known (I-BERT
-        # reassigns its running minimum from activations every forward)
+        # on fake tensors a later size starts from the buffers as built, whose values are known: I-BERT
+        # reassigns its running minimum from activations every forward, so after one step they are not. Held
+        # here, a buffer the step replaces could not be freed: the last size lets go of them (a size between
+        # counts the replaced ones, a few bytes of statistics)
         built = [(m, name, b) for m in step.model.modules() for name, b in m.named_buffers(recurse=False)] \
-            if fake else []
+            if fake and len(sizes) > 1 else []
 
         def draw(size):  # on fake tensors, the batch is drawn for real beside them where it is small
-            for m, name, b in built:
-                setattr(m, name, b)
             with router.drawing() if router is not None else contextlib.nullcontext():
                 return workload.batch(size)
 
         for i, size in enumerate(sizes):
+            if i:
+                _restore_buffers(built)
+            if i == len(sizes) - 1:
+                built.clear()
             p = _measure(workload, step, dev, mode, draw(size), list(notes))
             if i == 0 and step.ungraded:  # traced again in the steady state a real run reaches
                 notes.append(_drop_ungraded_state(step))
@@ -401,6 +405,11 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)
     return results
+
+
+def _restore_buffers(built: list) -> None:
+    for module, name, buffer in built:
+        setattr(module, name, buffer)
 
 
 def _drop_ungraded_state(step: TrainStep) -> str:
