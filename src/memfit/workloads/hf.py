@@ -431,7 +431,8 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
       the vision tower needs it;
     - "anyres" (LLaVA-NeXT, OneVision): (n, tiles, C, H, W), the whole image and its tiles, with its size;
     - Idefics 2/3, SmolVLM: (n, 1, C, H, W) with a mask of real pixels; tokens per image are the model's
-      own `image_seq_len` (their towers read pixel values, which the meta device has not);
+      own `image_seq_len` (their towers read pixel values, which the meta device has not); Granite Docling
+      the same with a mask of real tiles, (n, 1), as its processor makes;
     - Qwen2-VL's rows of flattened patches with each image's (t, h, w) grid, kept per row in the batch (so
       it splits into micro-batches) and joined in the loss; there an image is t*h*w / merge**2 tokens, by
       the layout's definition (its vision tower reads the grid's values)."""
@@ -457,7 +458,9 @@ def _image_text_batch(cfg, build, image_size: int | None, seq: int, takes):
                                 "splits larger ones into several, which memfit's image-text batches do not make")
         height, width = _sides(tile)
         pixels = torch.empty(1, 1, channels, height, width)
-        extra = {"pixel_attention_mask": torch.ones(1, 1, height, width, dtype=torch.bool)}
+        # which pixels are real (Idefics), or which tiles (Granite Docling), as the model's processor makes it
+        mask = (1, 1) if _processor_mask_rank(cfg, height, width) == 2 else (1, 1, height, width)
+        extra = {"pixel_attention_mask": torch.ones(mask, dtype=torch.bool)}
         count = _declared_image_tokens(build, cfg.model_type)
     elif (tiles := _anyres_tiles(cfg)) is not None:  # LLaVA-NeXT, OneVision: the image and its tiles
         tile = vision.image_size
@@ -523,6 +526,24 @@ def _anyres_tiles(cfg):
     if not pinpoints or count is None:
         return None
     return lambda height, width: int(count((height, width), pinpoints, cfg.vision_config.image_size))
+
+
+def _processor_mask_rank(cfg, height: int, width: int) -> int | None:
+    """The rank of the `pixel_attention_mask` the model's own image processor makes for one image at the
+    tower's size: 4 for Idefics' mask of pixels, 2 for Granite Docling's mask of tiles. The models' code
+    and docstrings do not say which; their processors do. None where no processor can be made."""
+    names = _transformers().models.auto.image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES.get(cfg.model_type)
+    name = names.get("pil") if isinstance(names, dict) else None
+    processor = getattr(_transformers(), name, None) if name else None
+    if processor is None:
+        return None
+    try:
+        import numpy
+
+        image = numpy.zeros((height, width, 3), dtype=numpy.uint8)
+        return processor()(images=[image], return_tensors="pt")["pixel_attention_mask"].dim()
+    except Exception:  # noqa: BLE001 - no processor to ask: Idefics' layout, as before
+        return None
 
 
 def _declared_image_tokens(build, model_type: str) -> int:
