@@ -31,7 +31,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"function_modes", "function_modes_again"}  # checkpoint's recompute, as its forward ran
     pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
     pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
-    pinned |= {"storage_uses"}  # autograd's gradient sums, in place where a real step's are
+    pinned |= {"storage_uses", "current_autograd_node"}  # autograd's gradient sums, in place where a real step's are
     assert set(ti.__all__) == pinned
 
 
@@ -114,6 +114,37 @@ def test_storage_uses_count_views_and_autograd_sums_a_gradient_in_place_only_out
     with spy:
         loss.backward()
     assert torch.ops.aten.add.Tensor in spy.seen and torch.ops.aten.add_.Tensor not in spy.seen
+
+
+def test_the_engine_sums_a_nodes_gradients_after_its_post_hooks_with_it_current():
+    """What PlainPaths' `summing` relies on: y is used twice, so the second gradient to reach it is added to
+    the first after the node that made it ran its post-hooks, while that node is still the current one; a
+    node's own ops run under it before its hooks; the current node is the wrapper `next_functions` gave."""
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    loss = (y.sin() * y.cos()).sum()
+    nodes, todo = [], [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in nodes:
+            nodes.append(node)
+            todo += [n for n, _ in node.next_functions]
+    log = []
+    for node in nodes:
+        node.register_hook(lambda grad_inputs, grad_outputs, name=node.name(): log.append(("hook", name)))
+
+    class Current(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            node = ti.current_autograd_node()
+            log.append((func, node.name() if node is not None else None, any(node is n for n in nodes)))
+            return func(*args, **(kwargs or {}))
+
+    with Current():
+        loss.backward()
+    adds = [i for i, entry in enumerate(log) if entry[0] is torch.ops.aten.add.Tensor]
+    assert len(adds) == 1 and log[adds[0] - 1][0] == "hook"
+    assert log[adds[0]][1:] == (log[adds[0] - 1][1], True)  # the hooked node, as the wrapper held here
+    assert ti.current_autograd_node() is None
 
 
 class _Spy(ti.TorchDispatchMode):

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.errors import EstimateError
 
-__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "DATA_DEPENDENT_ERRORS",
+__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "current_autograd_node",
+           "DATA_DEPENDENT_ERRORS",
            "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
            "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
            "FakeTensorMode", "fast_cache_keys", "fast_cache_entries", "fast_cache_size", "add_fast_cache_entries",
@@ -58,6 +59,13 @@ def import_dynamo() -> None:
     """Import torch._dynamo, which fake tracing imports on first use (~1 s): done once in a parent, every
     forked tracing child inherits it."""
     import torch._dynamo  # noqa: F401
+
+
+def current_autograd_node():
+    """The autograd node the engine is running on this thread (its Python wrapper, the one `next_functions`
+    gave while that is held), or None outside a backward. The engine sums a node's gradients into the
+    next nodes' inputs after its post-hooks, with it still current."""
+    return torch._C._current_autograd_node()
 
 
 def storage_uses(t: torch.Tensor) -> int:
