@@ -547,12 +547,13 @@ def _preexisting(step: TrainStep, mode) -> list[torch.Tensor]:
     buffers, gradients, optimizer state); on fake tensors then every other one of this mode (anything a
     model keeps in a plain attribute; all made inside `_heap_set_aside`), largest first. The simulated
     allocator lays blocks out in the order it is given them, and the collector's order moves from run to
-    run: given that, one gpt-small estimate for an H100 took three allocated peaks in four runs (4.5 MB
-    apart), and an unrelated change of memfit's bookkeeping moved Zamba's reserved peak by 0.7%."""
+    run: given that, one gpt-small estimate for an H100 took five allocated peaks across runs (4.5 MB
+    apart), and a change of memfit's own bookkeeping moved Zamba's reserved peak by 0.7%."""
     owned = step.state_tensors()
     if mode is None:
         return owned
-    rest = [o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode]
+    rest = [o for o in gc.get_objects() if issubclass(type(o), FakeTensor) and o.fake_mode is mode
+            and o.layout == torch.strided and not o.is_nested]  # sparse and nested ones have no storage to size
     return owned + sorted(rest, key=lambda t: -t.untyped_storage().nbytes())
 
 
