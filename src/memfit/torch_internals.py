@@ -23,16 +23,15 @@ from torch.utils._pytree import tree_leaves
 from memfit.errors import EstimateError
 
 __all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "current_autograd_node",
-           "DATA_DEPENDENT_ERRORS",
-           "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY", "detach_sharing_version",
-           "fake_constant", "fake_constants_up_to", "fake_process_group", "FAKE_TENSOR_LOGGER", "FakeTensor",
-           "FakeTensorMode", "fast_cache_keys", "fast_cache_entries", "fast_cache_size", "add_fast_cache_entries",
-           "function_modes", "function_modes_again", "grad_scaler_tensors", "held_by", "import_dynamo",
-           "keep_tensors_on_unchanged_conversion", "make_op_outputs_swappable", "memory_history", "memory_snapshot",
-           "memory_viz", "profiler_allocations", "profiler_call_allocations", "profiler_memory_timeline",
-           "profiler_surviving_allocations", "replicate", "stand_ins_for_rng_state_copies", "storage_key",
-           "storage_uses", "tensor_version", "TorchDispatchMode", "tree_leaves", "trunc_normal_skipped",
-           "unset_fake_temporarily"]
+           "DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY",
+           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
+           "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "fast_cache_keys", "fast_cache_entries",
+           "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again",
+           "grad_scaler_tensors", "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion",
+           "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
+           "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
+           "stand_ins_for_rng_state_copies", "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode",
+           "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"

@@ -453,7 +453,7 @@ class PlainPaths(TorchFunctionMode):
       its current node: each node with an edge into an input that gets two or more gradients gets a
       post-hook, and an add is a sum (`summing`) while the node whose hook ran last is the current one. A
       hook on every node, and a pre-hook to end each sum, held ~1.5 KB a node through the backward
-      (0.8 GiB more RSS for Zamba's 76 layers).
+      (0.5 GiB more RSS for Zamba's 76 layers).
     - SDPA's math path (the CPU kernel where its flash kernel does not apply) adds the mask into the scores
       in place (`attn.add_(mask)`), under a mode out of place: one more scores-sized tensor at the
       attention's peak (doge's dynamic masks: +2.8%). `masking` is set for the call, until its first add.
