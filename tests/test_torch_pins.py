@@ -642,3 +642,34 @@ def test_allocator_history_snapshot_and_viewer_are_where_the_shim_looks():
     assert callable(torch.cuda.memory._snapshot) and callable(torch.cuda.memory._dump_snapshot)
     viz = ti.memory_viz()
     assert all(callable(getattr(viz, name)) for name in ("segsum", "trace", "segment_plot"))
+
+
+def test_a_sparse_gradients_parts_and_accumulate_grads_copy_of_it():
+    """What held_by and the tracker's `_keeps_sparse_gradient` rely on: a sparse embedding's gradient is an
+    uncoalesced COO tensor (`indices()` refuses it) whose `_indices()` / `_values()` are dense tensors with
+    storages; AccumulateGrad keeps it without a copy when only the engine holds it (its values are the
+    incoming gradient's bytes), and under a dispatch mode copies it, with the AccumulateGrad node current."""
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    ids, g = torch.tensor([[1, 2, 1]]), torch.randn(1, 3, 4)
+    emb(ids).backward(g)
+    grad = emb.weight.grad
+    assert grad.layout is torch.sparse_coo and not grad.is_coalesced()
+    with pytest.raises(RuntimeError, match="coalesced"):
+        grad.indices()
+    indices, values = ti.held_by(grad)
+    assert indices.shape == (1, 3) and values.shape == (3, 4) and indices.untyped_storage().nbytes() == 3 * 8
+    assert values.data_ptr() == g.data_ptr()  # kept as the engine made it
+    assert ti.storage_key(grad) == ti.storage_key(values)
+    copies = []
+
+    class Spy(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default and args[0].layout is torch.sparse_coo:
+                copies.append(type(ti.current_autograd_node()).__name__)
+            return func(*args, **(kwargs or {}))
+
+    emb.weight.grad = None
+    out = emb(ids)
+    with Spy():
+        out.backward(g)
+    assert copies == ["AccumulateGrad"] and emb.weight.grad._values().data_ptr() != g.data_ptr()

@@ -121,8 +121,9 @@ class TrainStep:
                     for m in self.optimizer_offload.master:
                         m.grad = torch.zeros_like(m)
             else:
+                sparse = sparse_gradients(self.model)
                 for p in params:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = _empty_sparse(p) if id(p) in sparse else torch.zeros_like(p)
             if self.scaler is not None:
                 self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale tensor
             tracing, self.tracing = self.tracing, True  # zero gradients cannot overflow: no host sync needed
@@ -196,3 +197,16 @@ class TrainStep:
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.workload.max_grad_norm, norm)
         self.grad_norm = norm
+
+
+def sparse_gradients(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters whose gradients are sparse: the weights of embeddings made with sparse=True."""
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+
+
+def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
+    """A sparse zero gradient for `p`, holding no rows: one without a value, as a first step's would be
+    dense, would make an optimizer state of the wrong kind (SparseAdam refuses dense gradients)."""
+    indices = torch.empty(1, 0, dtype=torch.long, device=p.device)
+    return torch.sparse_coo_tensor(indices, p.new_empty(0, *p.shape[1:]), p.shape, check_invariants=True)

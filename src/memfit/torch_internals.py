@@ -76,9 +76,9 @@ def storage_key(t: torch.Tensor | torch.UntypedStorage) -> int:
     """An identity for a tensor's storage (or a storage) while it lives, for real and fake tensors alike.
     `data_ptr()` will not do: a fake storage has none, and a real one's is shared by every empty storage.
     A wrapper subclass (DTensor) is identified by the tensor that holds its bytes (its local shard)."""
-    if type(t) in _PLAIN:  # the tracers' every op: skip the subclass test
+    if type(t) in _PLAIN and t.layout is torch.strided:  # the tracers' every op: skip the subclass test
         return t.untyped_storage()._cdata
-    storage = held_by(t)[0].untyped_storage() if isinstance(t, torch.Tensor) else t
+    storage = held_by(t)[-1].untyped_storage() if isinstance(t, torch.Tensor) else t  # a sparse one: its values'
     return storage._cdata
 
 
@@ -87,12 +87,30 @@ _PLAIN = frozenset({torch.Tensor, FakeTensor, torch.nn.Parameter})
 
 
 def held_by(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding a tensor's bytes: itself, or for a wrapper subclass the tensors it wraps
-    (a DTensor's local shard), as `__tensor_flatten__` lists them."""
+    """The plain tensors holding a tensor's bytes: itself; a sparse tensor's indices and values (its own
+    dense tensors, with storages; it has none); for a wrapper subclass the tensors it wraps (a DTensor's
+    local shard), as `__tensor_flatten__` lists them."""
+    if t.layout is not torch.strided:
+        return _sparse_parts(t)
     if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
         return [t]
     names, _ = t.__tensor_flatten__()  # may name non-tensors too (a DTensor's device mesh)
     return [x for name in names if isinstance(getattr(t, name), torch.Tensor) for x in held_by(getattr(t, name))]
+
+
+# a compressed sparse layout's index tensors, as its accessors name them (its values are `.values()`)
+_COMPRESSED_INDICES = {**dict.fromkeys((torch.sparse_csr, torch.sparse_bsr), ("crow_indices", "col_indices")),
+                       **dict.fromkeys((torch.sparse_csc, torch.sparse_bsc), ("ccol_indices", "row_indices"))}
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A sparse tensor's indices and values, values last; any other layout (a nested tensor's) as itself.
+    COO's are `_indices()` / `_values()`: the public `indices()` refuses an uncoalesced tensor (a sparse
+    embedding's gradient)."""
+    if t.layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    names = _COMPRESSED_INDICES.get(t.layout)
+    return [t] if names is None else [getattr(t, name)() for name in names] + [t.values()]
 
 
 @contextlib.contextmanager

@@ -196,6 +196,10 @@ class Routing(TorchDispatchMode):
             out = func(*args, **kwargs)
         except DATA_DEPENDENT_ERRORS:
             return self._data_dependent(func, args, kwargs, shadow_args)
+        if isinstance(out, torch.Tensor) and out.layout is not torch.strided and not out.is_nested:
+            raise EstimateError(f"fake tensors do not size sparse tensors ({func.__name__} made a {out.layout} one: "
+                                "how many values it holds depends on the data, and PyTorch's fake kernels give "
+                                "some none)")
         if shadow_args is not None and func not in _NO_VALUE and _may_shadow(func, args, kwargs, out, self._drawing):
             self._attach(out, self._real(func, shadow_args), shadow_args[2])
             if not func.is_view:

@@ -200,6 +200,7 @@ class LiveBytes(_Scoped):
         self.recorder: OpRecorder | None = None  # shown every op counted (`recording`)
         self.plain: PlainPaths | None = None  # counts results made in place without dispatch modes as made so
         self._born_uses: dict[int, int] = {}  # with `plain`: a storage's references when it was made, by id
+        self.sparse_seen = False  # an op made a sparse tensor (counted as its indices and values)
 
     # -- what the step tells the tracker
     def mark(self, phase: str) -> None:
@@ -259,7 +260,7 @@ class LiveBytes(_Scoped):
 
     # -- bookkeeping
     def _add(self, t: torch.Tensor, op: str, category: Category | None = None, host: bool = False) -> None:
-        if t.device.type != self.device_type or t.is_sparse or t.is_nested:
+        if t.device.type != self.device_type or t.is_nested:
             return
         st = t.untyped_storage()
         address = storage_key(st)
@@ -414,8 +415,14 @@ class LiveBytes(_Scoped):
             raise
         if in_place and self._active and out.shape == args[0].shape and out.dtype == args[0].dtype:
             self._take_over(args[0], out)  # a real step adds into the tensor this op's caller alone holds
+        elif func is _CLONE and self._active and _keeps_sparse_gradient(args[0]):
+            for old, new in zip(held_by(args[0]), held_by(out)):  # its indices and values: no new bytes
+                if self.uid(old) is not None and self.uid(new) is None:
+                    self._take_over(old, new)
         if self._active:
             name = "" if not self.detail else func.__name__ if hasattr(func, "__name__") else str(func)
+            if isinstance(out, torch.Tensor) and out.layout is not torch.strided and not out.is_nested:
+                self.sparse_seen = True
             for t in _tensors(out):
                 self._add(t, name)
             extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
@@ -427,7 +434,17 @@ class LiveBytes(_Scoped):
 
 
 _ADD = torch.ops.aten.add.Tensor
+_CLONE = torch.ops.aten.clone.default
 _PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: PyTorch never adds into one in place
+
+
+def _keeps_sparse_gradient(t: torch.Tensor) -> bool:
+    """Whether this clone is autograd's copy of a new sparse gradient, which a step without dispatch modes
+    does not make: AccumulateGrad keeps a sparse gradient that only the engine holds as it is (a shallow
+    copy over the same indices and values), and copies it where more references hold it, as a dispatch
+    mode's own do every time (tests/test_torch_pins.py)."""
+    return t.layout is torch.sparse_coo and not torch.is_grad_enabled() \
+        and type(current_autograd_node()).__name__ == "AccumulateGrad" and all(x.is_contiguous() for x in held_by(t))
 
 
 def _dense(t: torch.Tensor) -> bool:
