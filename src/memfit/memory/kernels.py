@@ -132,7 +132,7 @@ import torch
 
 from memfit.memory.fake import is_fake
 from memfit.memory.isolate import available_host_bytes
-from memfit.torch_internals import profiler_call_allocations
+from memfit.torch_internals import held_by, profiler_call_allocations
 
 aten = torch.ops.aten
 
@@ -288,6 +288,16 @@ def _promotion_copies(func, args, out) -> int:
     return nbytes
 
 
+# The CPU sum of two sparse COO tensors (accumulated sparse gradients: Embedding(sparse=True)) concatenates
+# their indices and values into the result's, which the dispatcher shows, after scaling a copy of the second's
+# values by alpha, held until it returns (profiled: one micro-batch's gradient values at each accumulation).
+SPARSE_SUMS = frozenset({aten.add.Tensor, aten.add_.Tensor})
+
+
+def _both_sparse(args) -> bool:
+    return len(args) >= 2 and all(isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo for t in args[:2])
+
+
 # Layer norm's CPU backward, when it computes the weight's or the bias's gradient, sums them per thread first:
 # two (threads, normalized size) buffers in the input's dtype. Group norm's keeps two (batch, channels) fp32
 # buffers of per-channel sums. Profiled for 1 and 2 threads, fp32 and bf16, mixed weights, every mask.
@@ -422,6 +432,8 @@ class CpuWorkspaces:
             return 2 * self.threads * math.prod(normalized) * x.element_size() if mask[1] or mask[2] else 0
         if func is GROUP_NORM_BACKWARD:
             return 2 * args[5] * args[6] * max(4, args[1].element_size())
+        if func in SPARSE_SUMS and _both_sparse(args):
+            return held_by(args[1])[-1].untyped_storage().nbytes()
         if func in PROMOTING_BINARY or func in PROMOTING_IN_PLACE:
             return _promotion_copies(func, args, out)
         if str(func) == GLOO_REDUCE_SCATTER:
