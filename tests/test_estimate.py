@@ -577,3 +577,20 @@ def test_a_sparse_buffer_counts_its_indices_and_values_and_an_unmeasurable_step_
     with pytest.raises(memfit.errors.HostMemoryError, match="fake tensors do not size sparse tensors") as e:
         memfit.estimate(big, Config(micro_batch=8), device="h100")
     assert "none was run" in str(e.value)
+
+
+def test_a_batch_norm_over_a_transposed_input_is_laid_out_as_the_cpu_kernel_lays_it():
+    """transformers' PatchTST normalises (batch, patches, d_model) with a BatchNorm1d over the transposed
+    tensor and transposes back. The CPU kernel returns a contiguous output, the meta kernel the input's
+    strides: the fake trace then saw the feed-forward's Linear fold its input as a view, where the real step
+    copies it first (8.3% low). Now laid out as the CPU kernel does: to the byte."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.PatchTSTConfig(num_input_channels=7, context_length=128, patch_length=16, patch_stride=8,
+                                      prediction_length=24, d_model=64, num_attention_heads=4, num_hidden_layers=2,
+                                      ffn_dim=128)
+    wl = memfit.Workload(model=lambda: transformers.PatchTSTForPrediction(cfg),
+                         batch=lambda n: {"past_values": torch.randn(n, 128, 7), "future_values": torch.randn(n, 24, 7)},
+                         loss=lambda m, b: m(**b).loss, name="patchtst")
+    config = Config(micro_batch=2)
+    est = memfit.estimate(wl, config)
+    assert est.method == "fake" and est.peak_bytes == allocator_step_peak(wl, config)

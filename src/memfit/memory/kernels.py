@@ -195,13 +195,28 @@ def _norm_statistics(params):
     return fix
 
 
+def _batch_norm_output(args, kwargs, out):
+    """Batch norm's CPU kernel lays its output out in the input's suggested memory format (channels-last where
+    the input is, else contiguous); the meta kernel keeps the input's strides. Over a transposed (batch,
+    length, channels) input (PatchTST's BatchNorm1d) the two differ, and so does what reads the output next:
+    a Linear copies a non-contiguous 3-D input before its matmul, a contiguous one it folds as a view."""
+    out = _norm_statistics((1, 2, 3, 4))(args, kwargs, out)
+    x, y = args[0], out[0]
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    layout = last if last is not None and not x.is_contiguous() and x.is_contiguous(memory_format=last) \
+        else torch.contiguous_format
+    if y.is_contiguous(memory_format=layout):
+        return out
+    return (torch.empty_like(y, memory_format=layout), *out[1:])
+
+
 _OUTPUT_FIXES = {
     aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
 }
 _CPU_OUTPUT_FIXES = {  # where a CUDA kernel's outputs may differ: for a CPU target only
     aten.native_layer_norm.default: _norm_statistics((2, 3)),
     aten.native_group_norm.default: _norm_statistics((1, 2)),
-    aten.native_batch_norm.default: _norm_statistics((1, 2, 3, 4)),
+    aten.native_batch_norm.default: _batch_norm_output,
 }
 
 
