@@ -397,6 +397,9 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                 if router.assumed_finite:
                     p.estimate.notes.append("the model checks its values for NaN/inf, which fake tensors lack: "
                                             "answered as all finite, the values of a step that trains")
+                if router.assumed_valid:
+                    p.estimate.notes.append("torch.distributions checks its arguments' values, which fake tensors "
+                                            "lack: answered as valid, as in a step that trains")
             if scalars is not None and scalars.answered:
                 p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
                                         "lack: traced with 1 in their place (in torch.optim they only scale the "

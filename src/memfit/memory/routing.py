@@ -17,6 +17,9 @@ would have. Shadows come from two places only:
 - finiteness checks: `isnan` / `isinf` / `isfinite` / `x == x` of a tensor without a shadow answer that
   every value is finite (`assert not x.isnan().any()` in I-BERT's quantisers, torch.distributions' argument
   validation), the values of a step that trains; counted in `assumed_finite`, for the estimate's note;
+- torch.distributions' argument checks (a parameter's constraint in `Distribution.__init__`, a value's
+  support in `_validate_sample`: `df > 0` of a Student-T head) answer that they pass, as a step that trains
+  does; counted in `assumed_valid`;
 - the router's choice, which is data: the indices of a top-k selection (`topk`, `argmax`, `max(dim)`) over
   at most `MAX_CHOICES` entries that are not known get the choices the assumption prescribes.
 
@@ -65,6 +68,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 import weakref
 
 import torch
@@ -73,7 +78,7 @@ from torch.overrides import TorchFunctionMode
 from memfit.errors import EstimateError
 from memfit.memory.fake import is_fake
 from memfit.memory.isolate import branch
-from memfit.memory.tracker import source_line
+from memfit.memory.tracker import machinery, source_line
 from memfit.torch_internals import DATA_DEPENDENT_ERRORS, DEVICE_QUERY, TorchDispatchMode, answer_device_query, \
     storage_key, tree_leaves, unset_fake_temporarily
 
@@ -133,6 +138,7 @@ class Routing(TorchDispatchMode):
         self.routers: set[tuple[int, int]] = set()  # (k, choices) of the routers those results read
         self.computed: set[tuple[int, int]] = set()  # routers whose choices other ops computed on (not views)
         self.assumed_finite = 0  # finiteness checks answered as "all finite"
+        self.assumed_valid = 0  # torch.distributions' argument checks answered as passing
         self.ctc_targets: list[int] = []  # the longest target of each CTC loss traced
         self._drawing = False  # inside drawing(): random factories draw real values too
         self._building = False  # inside building(): shadows hold their tensors strongly (see there)
@@ -342,6 +348,9 @@ class Routing(TorchDispatchMode):
         real = None if shadow_args is None or in_place else self._real(func, shadow_args)
         if real is None:
             if func is aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+                if _checks_distribution_arguments():
+                    self.assumed_valid += 1
+                    return True
                 way = branch(source_line().partition(" in ")[0] or "?")  # traced both ways, where it may be
                 if way is not None:
                     return way
@@ -445,6 +454,25 @@ class _ShadowValues(TorchFunctionMode):
         return out
 
 
+_DISTRIBUTION = os.path.join("torch", "distributions", "distribution.py")
+_VALIDATING = frozenset({"__init__", "_validate_sample"})
+
+
+def _checks_distribution_arguments() -> bool:
+    """Whether the boolean asked for is torch.distributions' validation of its arguments: the innermost
+    frame outside memfit and torch's own code, or torch's distribution.py on the way to it, is one of its
+    checks (`if not torch._is_all_true(valid): raise ValueError(...)`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.endswith(_DISTRIBUTION):
+            return frame.f_code.co_name in _VALIDATING
+        if not machinery(filename):
+            return False
+        frame = frame.f_back
+    return False
+
+
 def assumed_choices(assumption: str, rows: int, k: int, choices: int) -> torch.Tensor:
     """(rows, k) int64 expert choices under `assumption` (module docstring); each row's k are distinct."""
     i = torch.arange(rows).unsqueeze(1)
@@ -520,12 +548,12 @@ def add_routing(est, routing: Routing, trace_again) -> None:
         if routing.computed:  # e.g. grouped_mm experts: every tensor sized by tokens x k
             est.routing = {"assumption": "invariant", "routers": routers, "bound_peak_bytes": est.peak_bytes,
                            "bound_device_peak_bytes": est.device_peak_bytes}
-            est.notes.append(f"MoE routing ({routers}) decides no tensor's size in this model: the peak holds for "
-                             "any routing")
+            est.notes.append(f"top-k choices made from values ({routers}: MoE routing, or any top-k over few "
+                             "entries) decide no tensor's size in this model: the peak holds for any choices")
         return
     est.routing = {"assumption": "balanced", "routers": routers, "followed": dict(routing.followed)}
-    est.notes.append(f"tensor sizes depend on the MoE routing ({routers}; read by {', '.join(sorted(routing.followed))}"
-                     "): estimated with balanced routing, every expert receiving tokens x k / experts of each "
+    est.notes.append(f"tensor sizes depend on top-k choices made from values ({routers}: MoE routing, or any top-k "
+                     f"over few entries; read by {', '.join(sorted(routing.followed))}): estimated with balanced routing, every expert receiving tokens x k / experts of each "
                      "micro-batch; the bound is the worst of three extreme routings (k experts take every token; "
                      "the first or the last expert takes every token)")
     if trace_again is None:
