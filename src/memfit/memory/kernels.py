@@ -239,7 +239,11 @@ def fix_fake_outputs(func, args, kwargs, out, cpu: bool = True):
 MEASURED_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default,
                           # batch norm's backward holds an input-sized buffer on the CPU (a contiguous or channels-last
                           # input; a strided one runs another path), its forward per-channel accumulators
-                          aten.native_batch_norm.default, aten.native_batch_norm_backward.default})
+                          aten.native_batch_norm.default, aten.native_batch_norm_backward.default,
+                          # the CPU flash attention kernels' per-thread blocks (scores, running max and sum, the
+                          # output's accumulator; in backward the gradients' accumulators too)
+                          aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 # FSDP2's copy of a unit's gradients into the reduce-scatter input (`fsdp.chunk_cat`, by name: the op exists
 # once torch.distributed.fsdp is imported): on the CPU it pads, and copies inputs of another dtype, into
 # temporaries by amounts that follow the shapes, dtypes and chunk count. Measured the same way.
@@ -495,7 +499,7 @@ class CpuWorkspaces:
         out = []
         if self.counted:
             out.append(f"CPU kernels' workspaces (oneDNN reorders and scratchpads of convolutions and bf16/fp16 "
-                       f"matmuls) counted at each call: "
+                       f"matmuls, flash attention's per-thread blocks) counted at each call: "
                        f"measured on this machine at {self.threads} threads, cached in {self.path}")
         if self.too_large or self.failed:
             out.append(f"the kernel workspace of {self.too_large + self.failed} call signature(s) is not "
