@@ -619,3 +619,17 @@ def test_torch_distributions_argument_checks_are_answered_as_passing_on_fake_ten
     truth = allocator_step_peak(wl, config)
     assert abs(est.peak_bytes - truth) <= 64  # -48 B; memfit's counter on the real step is -64 B: bytes kernels
     # allocate out of the dispatcher's sight
+
+
+def test_a_compiled_model_is_said_to_be_traced_eagerly():
+    """Fake tensors run a torch.compile'd model eagerly (dynamo does not compile under a fake mode), while
+    inductor's step keeps fewer activations: the estimate says which modules it traced as eager."""
+    def make():
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        model[2].compile()
+        return model
+
+    wl = memfit.Workload(model=make, batch=lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,))),
+                         loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), name="compiled")
+    est = memfit.estimate(wl, Config(micro_batch=4))
+    assert est.method == "fake" and any(n.startswith("torch.compile'd (2): traced as eager") for n in est.notes)

@@ -22,6 +22,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"fake_constant", "fake_constants_up_to", "trunc_normal_skipped", "unset_fake_temporarily"}  # builds
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
+    pinned |= {"compiled_modules"}  # torch.compile'd models are said to be traced eagerly
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
@@ -673,3 +674,13 @@ def test_a_sparse_gradients_parts_and_accumulate_grads_copy_of_it():
     with Spy():
         out.backward(g)
     assert copies == ["AccumulateGrad"] and emb.weight.grad._values().data_ptr() != g.data_ptr()
+
+
+def test_compiled_modules_finds_what_torch_compile_wraps_and_what_it_compiles_in_place():
+    """The two ways a model is compiled: `torch.compile(module)` returns a wrapper (OptimizedModule) over it,
+    `module.compile()` compiles that module in place. Neither runs anything until called."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert ti.compiled_modules(model) == []
+    assert ti.compiled_modules(torch.compile(model)) == [""]
+    model[1].compile()
+    assert ti.compiled_modules(model) == ["1"]

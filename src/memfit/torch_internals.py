@@ -22,9 +22,9 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.errors import EstimateError
 
-__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "current_autograd_node",
-           "DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY",
-           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
+__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "compiled_modules",
+           "current_autograd_node", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "ddp_bucket_assignment",
+           "DEVICE_QUERY", "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
            "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "fast_cache_keys", "fast_cache_entries",
            "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again",
            "grad_scaler_tensors", "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion",
@@ -58,6 +58,15 @@ def import_dynamo() -> None:
     """Import torch._dynamo, which fake tracing imports on first use (~1 s): done once in a parent, every
     forked tracing child inherits it."""
     import torch._dynamo  # noqa: F401
+
+
+def compiled_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules of `model` that torch.compile runs: those `torch.compile(module)` wrapped (an
+    OptimizedModule) and those compiled in place (`module.compile()`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
 
 
 def current_autograd_node():

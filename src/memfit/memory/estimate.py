@@ -37,8 +37,8 @@ from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.strategies.base_4bit import chunks_traced_once, weight_count
 from memfit.strategies.cuda_kernels import fused_elsewhere
 from memfit.strategies.offload import host_side
-from memfit.torch_internals import (fake_process_group, grad_scaler_tensors, held_by, stand_ins_for_rng_state_copies,
-                                    storage_key)
+from memfit.torch_internals import (compiled_modules, fake_process_group, grad_scaler_tensors, held_by,
+                                    stand_ins_for_rng_state_copies, storage_key)
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
@@ -359,6 +359,12 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
                 notes.append(f"traced transformers' reference PyTorch path for {' and '.join(fused)}: what a GPU runs "
                              "without those packages; with them installed it runs their fused kernels instead, "
                              "whose memory is not modelled")
+        compiled = compiled_modules(step.model)
+        if compiled:
+            named = ", ".join(name or "the model" for name in compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+            notes.append(f"torch.compile'd ({named}): traced as eager PyTorch runs it; inductor's compiled step "
+                         "keeps fewer tensors for backward (it recomputes cheap pointwise ops) and fuses "
+                         "temporaries away, so it may need less (a pointwise-heavy MLP on the CPU: half)")
         if not cuda_target and (config.offload_activations or config.offload_optimizer):
             notes.append("on a CPU device host and device memory are one: offloading only adds copies")
         step.prime()
