@@ -364,10 +364,11 @@ class LiveBytes(_Scoped):
         return (self._fresh(old) and type(new) in _PLAIN and old is not new and old.shape == new.shape
                 and old.dtype == new.dtype and not torch.is_grad_enabled())
 
-    def _masks_in_place(self, args, kwargs) -> bool:
-        """Whether a step without dispatch modes adds this mask into the attention scores in place (SDPA's
-        math path: `attn.add_(mask)`): a plain mask and fresh scores (the check that the sum keeps the scores'
-        shape and dtype, as an in-place add must, comes after the op)."""
+    def _adds_in_place(self, args, kwargs) -> bool:
+        """Whether a step without dispatch modes makes this add in place (SDPA's math path: `attn.add_(mask)`;
+        a Linear over an input it cannot fold to 2-D: `out.add_(bias)`): a plain second operand and a fresh
+        first (the check that the sum keeps the first's shape and dtype, as an in-place add must, comes after
+        the op)."""
         return not kwargs and len(args) == 2 and self._fresh(args[0]) and type(args[1]) in _PLAIN \
             and args[0] is not args[1]
 
@@ -401,9 +402,9 @@ class LiveBytes(_Scoped):
             return func(*args, **kwargs)
         in_place = False
         if func is _ADD and self.plain is not None:
-            if self.plain.masking:  # the first add inside SDPA is its mask's
-                self.plain.masking = False
-                in_place = self._masks_in_place(args, kwargs)
+            if self.plain.adding:  # the first add inside SDPA is its mask's, inside a Linear its bias's
+                self.plain.adding = False
+                in_place = self._adds_in_place(args, kwargs)
             elif self.plain.summing:
                 in_place = self._sums_in_place(args, kwargs)
         try:
@@ -473,15 +474,20 @@ class PlainPaths(TorchFunctionMode):
       (0.5 GiB more RSS for Zamba's 76 layers).
     - SDPA's math path (the CPU kernel where its flash kernel does not apply) adds the mask into the scores
       in place (`attn.add_(mask)`), under a mode out of place: one more scores-sized tensor at the
-      attention's peak (doge's dynamic masks: +2.8%). `masking` is set for the call, until its first add.
+      attention's peak (doge's dynamic masks: +2.8%).
+    - A Linear whose input it cannot fold into one matmul with its bias (a non-contiguous 3-D input, 4-D and
+      more) adds the bias into the matmul's output in place (`output.add_(bias)`), under a mode out of
+      place: one more output-sized tensor (nn.MultiheadAttention's packed projection of a batch-first
+      input: +3.3%).
+    `adding` is set for an SDPA or Linear call, until its first add.
     The values are untouched."""
 
     _CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-    _ATTENTION = torch.nn.functional.scaled_dot_product_attention
+    _FIRST_ADD_IN_PLACE = (torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.linear)
 
     def __init__(self):
         super().__init__()
-        self.masking = False
+        self.adding = False
         self._summed_by: int | None = None  # id of the node whose post-hook ran last
 
     @property
@@ -490,12 +496,12 @@ class PlainPaths(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is self._ATTENTION:
-            self.masking = True
+        if func in self._FIRST_ADD_IN_PLACE:
+            self.adding = True
             try:
                 return func(*args, **kwargs)
             finally:
-                self.masking = False
+                self.adding = False
         if func not in self._CALLS:
             return func(*args, **kwargs)
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
