@@ -66,8 +66,9 @@ def _transformers_families() -> dict:
             lambda n: {"input_features": torch.randn(n, 80, 200), "labels": torch.randint(3, 500, (n, 20))}),
         "hubert_ctc": (lambda: T.HubertForCTC(T.HubertConfig(**speech, mask_time_prob=0.0)),
                        lambda n: {"input_values": torch.randn(n, 4000), "labels": torch.randint(1, 32, (n, 30))}),
-        "wav2vec2_classification": (lambda: T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(**speech, num_labels=3)),
-                                    lambda n: {"input_values": torch.randn(n, 4000), "labels": torch.randint(0, 3, (n,))}),
+        "wav2vec2_classification": (
+            lambda: T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(**speech, num_labels=3)),
+            lambda n: {"input_values": torch.randn(n, 4000), "labels": torch.randint(0, 3, (n,))}),
         "ast": (lambda: T.ASTForAudioClassification(T.ASTConfig(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_length=128,
             num_mel_bins=64, num_labels=5)),
@@ -106,7 +107,8 @@ def _diffusers_families() -> dict:
                        "target": torch.randn(n, 3, 32, 32)}),
         "diffusers_unet2d_condition": (lambda: D.UNet2DConditionModel(
             sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=32, norm_num_groups=8, attention_head_dim=8),
             lambda n: {"sample": torch.randn(n, 4, 16, 16), "timestep": torch.randint(0, 1000, (n,)),
                        "encoder_hidden_states": torch.randn(n, 7, 32), "target": torch.randn(n, 4, 16, 16)}),

@@ -589,7 +589,8 @@ def test_a_batch_norm_over_a_transposed_input_is_laid_out_as_the_cpu_kernel_lays
                                       prediction_length=24, d_model=64, num_attention_heads=4, num_hidden_layers=2,
                                       ffn_dim=128)
     wl = memfit.Workload(model=lambda: transformers.PatchTSTForPrediction(cfg),
-                         batch=lambda n: {"past_values": torch.randn(n, 128, 7), "future_values": torch.randn(n, 24, 7)},
+                         batch=lambda n: {"past_values": torch.randn(n, 128, 7),
+                                          "future_values": torch.randn(n, 24, 7)},
                          loss=lambda m, b: m(**b).loss, name="patchtst")
     config = Config(micro_batch=2)
     est = memfit.estimate(wl, config)

@@ -553,9 +553,10 @@ def add_routing(est, routing: Routing, trace_again) -> None:
         return
     est.routing = {"assumption": "balanced", "routers": routers, "followed": dict(routing.followed)}
     est.notes.append(f"tensor sizes depend on top-k choices made from values ({routers}: MoE routing, or any top-k "
-                     f"over few entries; read by {', '.join(sorted(routing.followed))}): estimated with balanced routing, every expert receiving tokens x k / experts of each "
-                     "micro-batch; the bound is the worst of three extreme routings (k experts take every token; "
-                     "the first or the last expert takes every token)")
+                     f"over few entries; read by {', '.join(sorted(routing.followed))}): estimated with balanced "
+                     "routing, every expert receiving tokens x k / experts of each micro-batch; the bound is the "
+                     "worst of three extreme routings (k experts take every token; the first or the last expert "
+                     "takes every token)")
     if trace_again is None:
         return
     traced = {"balanced": est}  # a router with a capacity drops tokens of extreme routings: balanced may be worst
