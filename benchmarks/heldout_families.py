@@ -1,8 +1,10 @@
 """Estimate vs the profiler on model families outside the tables hf_heldout.py sweeps, as a user would write
 them (transformers' classes built from small configs, diffusers' when installed, a sparse-gradient
 recommender): time series (Student-T heads, BatchNorm over transposed tensors, top-k autocorrelation),
-speech (Whisper, HuBERT with CTC, AST, Wav2Vec2 classification), segmentation, masked autoencoding, token
-classification, extractive QA, diffusion UNets and a VAE, embeddings with sparse gradients. CPU target,
+speech (Whisper, HuBERT with CTC, AST, Wav2Vec2 classification and x-vectors), video (VideoMAE, TimeSformer),
+segmentation, masked autoencoding and masked image modelling, token classification, multiple choice, BERT's
+pre-training heads, extractive QA, image captioning (BLIP, a ViT + GPT-2 encoder-decoder), diffusion UNets and
+a VAE, embeddings with sparse gradients. CPU target,
 micro-batch 2 (the recommender 8), fp32 and bf16 autocast; LayerDrop off (a real step skips layers at random,
 the estimate assumes none is skipped and says so). The truths: the CPU allocator's running total and the
 profiler's memory timeline of the same real step (benchmarks/truth.py).
@@ -36,12 +38,29 @@ def _forecast(n: int, context: int = 27, horizon: int = 12) -> dict:
             "future_time_features": torch.randn(n, horizon, 2)}
 
 
+def _video(n: int) -> dict:
+    return {"pixel_values": torch.randn(n, 4, 3, 32, 32), "labels": torch.randint(0, 5, (n,))}
+
+
+def _vision_encoder_decoder():
+    import transformers as T
+
+    encoder = T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                          image_size=32, patch_size=8)
+    decoder = T.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4, add_cross_attention=True, is_decoder=True)
+    config = T.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return T.VisionEncoderDecoderModel(config)
+
+
 def _transformers_families() -> dict:
     import transformers as T
 
     small = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
                  encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
     forecast = dict(prediction_length=12, context_length=24, input_size=1, lags_sequence=[1, 2, 3], num_time_features=2)
+    vit = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    bert = dict(vocab_size=500, **vit)
     speech = dict(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                   conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
                   layerdrop=0.0)
@@ -82,6 +101,32 @@ def _transformers_families() -> dict:
             patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
             decoder_intermediate_size=64)),
             lambda n: {"pixel_values": torch.randn(n, 3, 32, 32)}),
+        "bert_multiple_choice": (lambda: T.BertForMultipleChoice(T.BertConfig(**bert)),
+                                 lambda n: {"input_ids": torch.randint(0, 500, (n, 4, 32)),
+                                            "labels": torch.randint(0, 4, (n,))}),
+        "bert_pretraining": (lambda: T.BertForPreTraining(T.BertConfig(**bert)),
+                             lambda n: {"input_ids": torch.randint(0, 500, (n, 32)),
+                                        "labels": torch.randint(0, 500, (n, 32)),
+                                        "next_sentence_label": torch.randint(0, 2, (n,))}),
+        "videomae": (lambda: T.VideoMAEForVideoClassification(T.VideoMAEConfig(
+            image_size=32, patch_size=8, num_frames=4, tubelet_size=2, num_labels=5, **vit)), _video),
+        "timesformer": (lambda: T.TimesformerForVideoClassification(T.TimesformerConfig(
+            image_size=32, patch_size=8, num_frames=4, num_labels=5, **vit)), _video),
+        "wav2vec2_xvector": (lambda: T.Wav2Vec2ForXVector(T.Wav2Vec2Config(
+            **speech, num_labels=3, mask_time_prob=0.0, tdnn_dim=(32, 32, 64), tdnn_kernel=(5, 3, 1),
+            tdnn_dilation=(1, 2, 1), xvector_output_dim=32)),
+            lambda n: {"input_values": torch.randn(n, 4000), "labels": torch.randint(0, 3, (n,))}),
+        "vision_encoder_decoder": (_vision_encoder_decoder,
+                                   lambda n: {"pixel_values": torch.randn(n, 3, 32, 32),
+                                              "labels": torch.randint(2, 500, (n, 16))}),
+        "vit_masked_image_modeling": (lambda: T.ViTForMaskedImageModeling(T.ViTConfig(
+            image_size=32, patch_size=4, encoder_stride=4, **vit)),
+            lambda n: {"pixel_values": torch.randn(n, 3, 32, 32), "bool_masked_pos": torch.rand(n, 64) > 0.5}),
+        "blip_captioning": (lambda: T.BlipForConditionalGeneration(T.BlipConfig(
+            text_config=dict(vocab_size=500, **vit), vision_config=dict(image_size=32, patch_size=8, **vit),
+            projection_dim=32)),
+            lambda n: {"pixel_values": torch.randn(n, 3, 32, 32), "input_ids": torch.randint(3, 500, (n, 16)),
+                       "labels": torch.randint(3, 500, (n, 16))}),
         "bert_token_classification": (lambda: T.BertForTokenClassification(T.BertConfig(
             vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
             num_labels=5)),
@@ -141,11 +186,29 @@ class SparseRecommender(nn.Module):
         return self.head(self.table(ids)).squeeze(-1)
 
 
+class BatchFirstAttention(nn.Module):
+    """torch.nn.MultiheadAttention over a batch-first input, its weights returned (the explicit path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.attn = nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(self.attn(x, x, x, need_weights=True)[0])
+
+
 def workloads() -> dict:
     out = {}
     for name, (model, batch) in {**_transformers_families(), **_diffusers_families()}.items():
         loss = _diffusion_loss if name.startswith("diffusers") else _hf_loss
         out[name] = (memfit.Workload(model=model, batch=batch, loss=loss, name=name), 2)
+    out["torch_multihead_attention"] = (memfit.Workload(
+        model=BatchFirstAttention, name="torch_multihead_attention",
+        batch=lambda n: (torch.randint(0, 100, (n, 32)), torch.randint(0, 100, (n, 32))),
+        loss=lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())), 4)
     for name, optimizer in (("sparse_recommender_sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
                             ("sparse_recommender_adagrad", lambda p: torch.optim.Adagrad(p))):
         out[name] = (memfit.Workload(model=SparseRecommender, optimizer=optimizer, name=name,
