@@ -655,3 +655,30 @@ def test_a_linears_bias_added_in_place_is_not_counted_twice():
                          loss=lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), name="mha")
     config = Config(micro_batch=4)
     assert abs(memfit.estimate(wl, config).peak_bytes - allocator_step_peak(wl, config)) <= 64  # -8 B
+
+
+_PICKS = {
+    "gather": lambda h: h.gather(1, torch.arange(8).expand(h.shape[0], 8)),
+    "index": lambda h: h[:, torch.arange(0, 512, 64)],
+    "index_select": lambda h: h.index_select(1, torch.arange(8)),
+    "topk": lambda h: h.topk(8, dim=1).values,
+}
+
+
+@pytest.mark.parametrize("pick", list(_PICKS))
+def test_backward_formulas_that_fill_their_zeros_in_place_are_counted_so(pick):
+    """gather's, indexing's, index_select's and topk's backward make a zero gradient of the input's shape
+    and scatter into it, in place on a plain step; under a dispatch mode ATen does it out of place, a
+    second input-sized tensor at the backward's peak. Counted as the plain step runs it."""
+    class Pick(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide, self.head = nn.Linear(16, 512), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(_PICKS[pick](self.wide(x)))
+
+    wl = memfit.Workload(model=Pick, batch=lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,))),
+                         loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), name=f"pick_{pick}")
+    config = Config(micro_batch=64)
+    assert memfit.estimate(wl, config).peak_bytes == allocator_step_peak(wl, config)
