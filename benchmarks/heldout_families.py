@@ -9,7 +9,10 @@ micro-batch 2 (the recommender 8), fp32 and bf16 autocast; LayerDrop off (a real
 the estimate assumes none is skipped and says so). The truths: the CPU allocator's running total and the
 profiler's memory timeline of the same real step (benchmarks/truth.py).
 
-    nice -n 10 python benchmarks/heldout_families.py [--only whisper,unet] [--precisions fp32]
+    nice -n 10 python benchmarks/heldout_families.py [--only whisper,unet] [--configs fp32,fp16,all]
+
+`--configs` (default fp32,bf16) also takes fp16 (CPU autocast with loss scaling) and all / selective
+(fp32, activation checkpointing of every repeated block / selective).
 
 Results: benchmarks/results/heldout_families.json.
 """
@@ -217,9 +220,13 @@ def workloads() -> dict:
     return out
 
 
-def one(name: str, workload: memfit.Workload, micro_batch: int, precision: str) -> dict:
-    row: dict = {"model": name, "precision": precision}
-    config = memfit.Config(micro_batch=micro_batch, precision=precision)
+CONFIGS = {"fp32": {}, "bf16": {"precision": "bf16"}, "fp16": {"precision": "fp16"},
+           "all": {"activation_checkpoint": "all"}, "selective": {"activation_checkpoint": "selective"}}
+
+
+def one(name: str, workload: memfit.Workload, micro_batch: int, kind: str) -> dict:
+    row: dict = {"model": name, "config": kind}
+    config = memfit.Config(micro_batch=micro_batch, **CONFIGS[kind])
     t0 = time.perf_counter()
     try:
         est = memfit.estimate(workload, config)
@@ -235,19 +242,19 @@ def one(name: str, workload: memfit.Workload, micro_batch: int, precision: str) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="comma-separated names (default: all)")
-    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--configs", default="fp32,bf16", help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--out", default=str(HERE / "results" / "heldout_families.json"))
     args = ap.parse_args()
     table = workloads()
     rows = []
-    for precision in args.precisions.split(","):
+    for kind in args.configs.split(","):
         for name in args.only.split(",") if args.only else table:
             wl, micro_batch = table[name]
-            row = one(name, wl, micro_batch, precision)
+            row = one(name, wl, micro_batch, kind)
             rows.append(row)
             shown = (f"{row['method']:9s} {row['error_pct']:+8.3f}%  {row['estimate']:>11,} vs {row['allocator']:>11,} "
                      f"(timeline {row['timeline']:,})" if "error_pct" in row else row["error"])
-            print(f"{name:28s} {precision}  {shown}", flush=True)
+            print(f"{name:28s} {kind:9s}  {shown}", flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     done = [r for r in rows if "error_pct" in r]
     fake = [r for r in done if r["method"] == "fake"]
