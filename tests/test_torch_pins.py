@@ -23,6 +23,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"DATA_DEPENDENT_ERRORS"}  # MoE routing on fake tensors
     pinned |= {"fake_process_group", "held_by", "profiler_allocations"}  # per-rank estimates and their truth
     pinned |= {"compiled_modules"}  # torch.compile'd models are said to be traced eagerly
+    pinned |= {"ACCUMULATE_GRAD", "autograd_node_name", "FILLED_IN_PLACE"}  # in place on a plain step
     pinned |= {"ddp_bucket_assignment", "replicate"}  # DDP
     pinned |= {"memory_history", "memory_snapshot", "memory_viz"}  # allocator snapshots (doctor, gpu_check)
     pinned |= {"import_dynamo"}  # forked tracing children inherit it
@@ -666,14 +667,14 @@ def test_a_sparse_gradients_parts_and_accumulate_grads_copy_of_it():
     class Spy(ti.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.clone.default and args[0].layout is torch.sparse_coo:
-                copies.append(type(ti.current_autograd_node()).__name__)
+                copies.append(ti.autograd_node_name())
             return func(*args, **(kwargs or {}))
 
     emb.weight.grad = None
     out = emb(ids)
     with Spy():
         out.backward(g)
-    assert copies == ["AccumulateGrad"] and emb.weight.grad._values().data_ptr() != g.data_ptr()
+    assert copies == [ti.ACCUMULATE_GRAD] and emb.weight.grad._values().data_ptr() != g.data_ptr()
 
 
 def test_compiled_modules_finds_what_torch_compile_wraps_and_what_it_compiles_in_place():
@@ -684,3 +685,45 @@ def test_compiled_modules_finds_what_torch_compile_wraps_and_what_it_compiles_in
     assert ti.compiled_modules(torch.compile(model)) == [""]
     model[1].compile()
     assert ti.compiled_modules(model) == ["1"]
+
+
+_FILLERS = {  # a forward that makes each FILLED_IN_PLACE node, from x (8, 16)
+    "GatherBackward0": lambda x: x.gather(0, torch.randint(0, 8, (4, 16))),
+    "CummaxBackward0": lambda x: x.cummax(1).values, "CumminBackward0": lambda x: x.cummin(1).values,
+    "IndexSelectBackward0": lambda x: x.index_select(0, torch.tensor([1, 3, 3])),
+    "IndexBackward0": lambda x: x[torch.tensor([1, 3, 3])],
+    "MaskedSelectBackward0": lambda x: x.masked_select(x.detach() > 0),
+    "TakeBackward0": lambda x: x.take(torch.tensor([1, 30, 30])),
+    "MaxBackward0": lambda x: x.max(1).values, "MinBackward0": lambda x: x.min(1).values,
+    "TopkBackward0": lambda x: x.topk(3, 1).values, "SortBackward0": lambda x: x.sort(1).values,
+    "KthvalueBackward0": lambda x: x.kthvalue(3, 1).values, "MedianBackward1": lambda x: x.median(1).values,
+    "NanmedianBackward1": lambda x: x.nanmedian(1).values, "ModeBackward0": lambda x: x.mode(1).values,
+}
+
+
+@pytest.mark.parametrize("op,node", [(op, node) for op, nodes in ti.FILLED_IN_PLACE.items() for node in sorted(nodes)])
+def test_these_backward_formulas_fill_their_zeros_in_place_only_without_a_mode(op, node):
+    """What the tracker's `_fills_in_place` relies on: the backward formula runs as `node` (its class name),
+    calls `op` (out of place) under a dispatch mode with that node current, and on a plain step calls the
+    in-place op instead, as the profiler shows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(8, 16, requires_grad=True)
+    y = _FILLERS[node](x)
+    assert type(y.grad_fn).__name__ == node
+    seen = []
+
+    class Spy(ti.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func, ti.autograd_node_name()))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
+    assert (op, node) in seen
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.autograd.grad(y, x, torch.ones_like(y))
+    names = {e.name for e in prof.events()}
+    name = op.__name__.split(".")[0]
+    in_place = "aten::_index_put_impl_" if op is torch.ops.aten.index_put.default else f"aten::{name}_"
+    assert in_place in names and f"aten::{name}" not in names

@@ -22,9 +22,10 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.errors import EstimateError
 
-__all__ = ["answer_device_query", "autocast_disabled", "autocast_kernel_ops", "compiled_modules",
-           "current_autograd_node", "DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "ddp_bucket_assignment",
-           "DEVICE_QUERY", "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
+__all__ = ["ACCUMULATE_GRAD", "answer_device_query", "autocast_disabled", "autocast_kernel_ops",
+           "autograd_node_name", "compiled_modules", "current_autograd_node", "FILLED_IN_PLACE",
+           "DATA_DEPENDENT_ERRORS", "DataDependentOutputException", "ddp_bucket_assignment", "DEVICE_QUERY",
+           "detach_sharing_version", "fake_constant", "fake_constants_up_to", "fake_process_group",
            "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "fast_cache_keys", "fast_cache_entries",
            "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again",
            "grad_scaler_tensors", "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion",
@@ -67,6 +68,30 @@ def compiled_modules(model: torch.nn.Module) -> list[str]:
 
     return [name for name, m in model.named_modules()
             if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+# Backward formulas that make zeros and scatter a gradient into them in place, and out of place where a tensor
+# is "subclass-like" (every tensor, under a dispatch mode): the out-of-place op they then call, and the names
+# of the autograd nodes that run them (tests/test_torch_pins.py checks each pair both ways). AccumulateGrad is
+# the node that stores a leaf's gradient.
+FILLED_IN_PLACE = {
+    torch.ops.aten.scatter_add.default: frozenset({"GatherBackward0", "CummaxBackward0", "CumminBackward0"}),
+    torch.ops.aten.index_add.default: frozenset({"IndexSelectBackward0"}),
+    torch.ops.aten.index_put.default: frozenset({"IndexBackward0"}),  # x[idx], x[mask]
+    torch.ops.aten.masked_scatter.default: frozenset({"MaskedSelectBackward0"}),
+    torch.ops.aten.put.default: frozenset({"TakeBackward0"}),
+    torch.ops.aten.scatter.src: frozenset({  # values picked along a dim: max / min / topk / sort / ...
+        "MaxBackward0", "MinBackward0", "TopkBackward0", "SortBackward0", "KthvalueBackward0", "MedianBackward1",
+        "NanmedianBackward1", "ModeBackward0"}),
+}
+ACCUMULATE_GRAD = "AccumulateGrad"
+
+
+def autograd_node_name() -> str | None:
+    """The class name of the autograd node the engine is running on this thread (`FILLED_IN_PLACE`'s names),
+    or None outside a backward."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else type(node).__name__
 
 
 def current_autograd_node():

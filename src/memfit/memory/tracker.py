@@ -36,8 +36,9 @@ from torch.overrides import TorchFunctionMode
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
-from memfit.torch_internals import DEVICE_QUERY, FakeTensor, TorchDispatchMode, answer_device_query, \
-    current_autograd_node, detach_sharing_version, held_by, storage_key, storage_uses, tree_leaves
+from memfit.torch_internals import ACCUMULATE_GRAD, DEVICE_QUERY, FILLED_IN_PLACE, FakeTensor, TorchDispatchMode, \
+    answer_device_query, autograd_node_name, current_autograd_node, detach_sharing_version, held_by, storage_key, \
+    storage_uses, tree_leaves
 
 
 class _Word(str, enum.Enum):
@@ -374,11 +375,9 @@ class LiveBytes(_Scoped):
 
     def _fills_in_place(self, func, args) -> bool:
         """Whether a step without dispatch modes makes this op in place: a backward formula of
-        `_FILLED_IN_PLACE` filling the zeros it just made (`grad.new_zeros(...).scatter_add_(dim, index, grad)`
+        `FILLED_IN_PLACE` filling the zeros it just made (`grad.new_zeros(...).scatter_add_(dim, index, grad)`
         in gather's), which under a mode it fills out of place."""
-        node = current_autograd_node()
-        return node is not None and type(node).__name__ in _FILLED_IN_PLACE[func] and not torch.is_grad_enabled() \
-            and self._fresh(args[0])
+        return autograd_node_name() in FILLED_IN_PLACE[func] and not torch.is_grad_enabled() and self._fresh(args[0])
 
     def _fresh(self, t) -> bool:
         """A plain tensor, dense, with no other tensor over its storage than when it was made."""
@@ -415,7 +414,7 @@ class LiveBytes(_Scoped):
                 in_place = self._adds_in_place(args, kwargs)
             elif self.plain.summing:
                 in_place = self._sums_in_place(args, kwargs)
-        elif func in _FILLED_IN_PLACE and self.plain is not None:
+        elif func in FILLED_IN_PLACE and self.plain is not None:
             in_place = self._fills_in_place(func, args)
         try:
             # meta kernels that size outputs wrong; a GPU target (its host apart) runs CUDA's kernels
@@ -446,19 +445,6 @@ class LiveBytes(_Scoped):
 
 _ADD = torch.ops.aten.add.Tensor
 _CLONE = torch.ops.aten.clone.default
-# Backward formulas that make zeros and fill them in place, out of place where a tensor is subclass-like (any,
-# under a dispatch mode): the op they then call, and the autograd nodes that run them (checked on a plain
-# step with the profiler: the in-place op; under a mode: this one).
-_FILLED_IN_PLACE = {
-    torch.ops.aten.scatter_add.default: frozenset({"GatherBackward0", "CummaxBackward0", "CumminBackward0"}),
-    torch.ops.aten.index_add.default: frozenset({"IndexSelectBackward0"}),
-    torch.ops.aten.index_put.default: frozenset({"IndexBackward0"}),  # x[idx], x[mask]
-    torch.ops.aten.masked_scatter.default: frozenset({"MaskedSelectBackward0"}),
-    torch.ops.aten.put.default: frozenset({"TakeBackward0"}),
-    torch.ops.aten.scatter.src: frozenset({  # values picked along a dim: max / min / topk / sort / ...
-        "MaxBackward0", "MinBackward0", "TopkBackward0", "SortBackward0", "KthvalueBackward0", "MedianBackward1",
-        "NanmedianBackward1", "ModeBackward0"}),
-}
 _PLAIN = (FakeTensor, torch.Tensor)  # not a subclass: PyTorch never adds into one in place
 
 
@@ -468,7 +454,7 @@ def _keeps_sparse_gradient(t: torch.Tensor) -> bool:
     copy over the same indices and values), and copies it where more references hold it, as a dispatch
     mode's own do every time (tests/test_torch_pins.py)."""
     return t.layout is torch.sparse_coo and not torch.is_grad_enabled() \
-        and type(current_autograd_node()).__name__ == "AccumulateGrad" and all(x.is_contiguous() for x in held_by(t))
+        and autograd_node_name() == ACCUMULATE_GRAD and all(x.is_contiguous() for x in held_by(t))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -503,7 +489,7 @@ class PlainPaths(TorchFunctionMode):
       place: one more output-sized tensor (nn.MultiheadAttention's packed projection of a batch-first
       input: +3.3%).
     - Backward formulas that scatter a gradient into zeros they just made (gather, indexing, index_select,
-      topk and the other value-picking reductions: `_FILLED_IN_PLACE`) fill them in place, under a mode out
+      topk and the other value-picking reductions: `FILLED_IN_PLACE`) fill them in place, under a mode out
       of place (ViT-MAE's masking gather with checkpointing: +0.85%); LiveBytes tells those by the autograd
       node running, without this mode.
     `adding` is set for an SDPA or Linear call, until its first add.
