@@ -121,7 +121,7 @@ class TrainStep:
                     for m in self.optimizer_offload.master:
                         m.grad = torch.zeros_like(m)
             else:
-                sparse = sparse_gradients(self.model)
+                sparse = _sparse_gradients(self.model)
                 for p in params:
                     p.grad = _empty_sparse(p) if id(p) in sparse else torch.zeros_like(p)
             if self.scaler is not None:
@@ -199,14 +199,14 @@ class TrainStep:
         self.grad_norm = norm
 
 
-def sparse_gradients(model: torch.nn.Module) -> set[int]:
+def _sparse_gradients(model: torch.nn.Module) -> set[int]:
     """ids of the parameters whose gradients are sparse: the weights of embeddings made with sparse=True."""
     return {id(m.weight) for m in model.modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
 
 
 def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
-    """A sparse zero gradient for `p`, holding no rows: one without a value, as a first step's would be
-    dense, would make an optimizer state of the wrong kind (SparseAdam refuses dense gradients)."""
+    """A sparse zero gradient for `p`, holding no rows. A dense one, as other parameters get, would count a
+    table-sized gradient no step holds and make optimizer state of the wrong kind (SparseAdam refuses it)."""
     indices = torch.empty(1, 0, dtype=torch.long, device=p.device)
     return torch.sparse_coo_tensor(indices, p.new_empty(0, *p.shape[1:]), p.shape, check_invariants=True)

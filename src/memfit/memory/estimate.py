@@ -388,8 +388,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             if i == 0 and step.ungraded:  # traced again in the steady state a real run reaches
                 notes.append(_drop_ungraded_state(step))
                 p = _measure(workload, step, dev, mode, draw(size), list(notes))
-            elif i == 0 and any(p.grad is not None and p.grad.layout is not torch.strided
-                                for p in step.model.parameters()):
+            elif i == 0 and any(w.grad is not None and w.grad.layout is not torch.strided
+                                for w in step.model.parameters()):
                 # prime left sparse gradients holding nothing; the step before a steady one leaves its own
                 p = _measure(workload, step, dev, mode, draw(size), list(notes))
             p.estimate.method = "fake" if fake else "measured"
