@@ -542,3 +542,27 @@ def test_a_model_without_low_precision_kernels_is_planned_in_fp32():
 
     with pytest.raises(memfit.errors.WorkloadError, match="the loss is broken"):
         plan(dataclasses.replace(wl, loss=broken), 8, device="h100", activation_checkpoint="none")
+
+
+def test_a_candidate_its_full_estimate_refutes_is_never_offered(gpt, monkeypatch):
+    """The probes predicted micro-batch 16 to fit; its full estimate (planted here) says it does not: it is
+    neither chosen nor listed among the faster alternatives a user might pick."""
+    import memfit.planner.search as search
+
+    budget = 4 * memfit.estimate(gpt, Config(micro_batch=16)).peak_bytes
+    usable = int(budget * (1 - MARGIN))
+    real = search.full_probe
+
+    def refuting(workload, config, dev):
+        p = real(workload, config, dev)
+        if config.micro_batch == 16:
+            p.estimate.peak_bytes = usable + 1
+        return p
+
+    monkeypatch.setattr(search, "full_probe", refuting)
+    p = plan(gpt, 16, budget=budget, precision="fp32", profile=FLAT)
+    assert p.config.micro_batch != 16 and p.peak_bytes <= usable
+    assert all(a.peak_bytes <= usable for a in p.alternatives)
+    assert not any(a.config.micro_batch == 16 and a.confirmed for a in p.alternatives)
+    assert any("micro-batch 16" in f and "full estimate needs" in v for f, v in p.families)
+    assert all(a["peak_bytes"] <= usable for a in p.to_dict()["alternatives"])

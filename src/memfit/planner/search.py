@@ -617,7 +617,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(host)} of host"))
             elif cand.peak_bytes <= usable:
                 confirmed.append(cand)
-            else:
+            else:  # refuted: never offered, not even as an alternative
+                candidates.remove(cand)
                 verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
         confirmed.sort(key=lambda c: c.step_seconds)
     if confirm == 0 and candidates:  # the best prediction, said to be one
@@ -640,8 +641,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     best = confirmed[0]
     for base in families:
         name = _family_name(base)
-        mine = [c for c in candidates if _family_name(c.config) == name  # (a full estimate may have refuted some)
-                and not (c.confirmed and c.peak_bytes > usable)]
+        mine = [c for c in candidates if _family_name(c.config) == name]
         if name == _family_name(best.config):
             verdicts.insert(0, (name, f"chosen at micro-batch {best.config.micro_batch}"))
         elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
