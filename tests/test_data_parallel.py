@@ -541,3 +541,14 @@ def test_a_run_across_ranks_predicts_memory_without_calibrating_for_a_step_time(
     monkeypatch.setattr(search, "profile_for", lambda dev: pytest.fail("calibrated for a step time it throws away"))
     p = predict(builtin("gpt-tiny"), Config(micro_batch=4, gpus=2, data_parallel="fsdp"), get_device("cpu"))
     assert p.step_seconds is None and p.peak_bytes > 0
+
+
+def test_a_range_of_counts_with_a_layout_plans_one_gpu_unsharded():
+    """`--gpus 1-2 --data-parallel fsdp`: one GPU has nothing to shard; its row is the unsharded plan, said."""
+    from memfit.planner.search import plan_counts
+
+    rows = plan_counts(builtin("gpt-tiny"), 8, [1, 2], device="h100", precision="bf16", activation_checkpoint="none",
+                       data_parallel="fsdp")
+    one, two = (r["plan"] for r in rows)
+    assert one.config.data_parallel == "none" and two.config.data_parallel == "fsdp"
+    assert any("planned unsharded" in n for n in one.notes)

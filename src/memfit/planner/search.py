@@ -406,6 +406,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # measured (a first calibration takes a while) only once something fits: "nothing fits" comes at once
     rates = functools.cache(lambda: profile or profile_for(dev))
     notes = [f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces"]
+    if gpus == 1 and data_parallel not in (None, "none"):
+        notes.append(f"one GPU holds the whole model: {data_parallel} has no ranks to shard or replicate across, so "
+                     "it is planned unsharded")
 
     defaults = defaults_for(dev)
     precisions = [precision] if precision else list(defaults.precisions)
@@ -808,9 +811,7 @@ def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list
 def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, global_batch: int,
              micro_batch: int | None) -> list[str]:
     """The layouts to search for `gpus` ranks (one fixed, or every one that applies)."""
-    if gpus == 1:
-        if layout not in (None, "none"):
-            raise ConfigError(f"data_parallel={layout!r} needs more than one GPU")
+    if gpus == 1:  # a layout named for a range of counts (--gpus 1-64 --data-parallel fsdp): one GPU is unsharded
         return ["none"]
     if dev.kind == "cpu":
         raise ConfigError("planning across ranks needs a GPU from the catalogue (--device h100, ...): the step "
