@@ -1,6 +1,7 @@
 """The estimator against numbers computed by hand and against the PyTorch profiler (an independent
 measurement of the same real CPU step, benchmarks/truth.py)."""
 import contextlib
+import dataclasses
 import gc
 import itertools
 import os
@@ -13,6 +14,7 @@ from torch import nn
 import memfit
 import models  # tests/ and benchmarks/ are on pytest's pythonpath (pyproject.toml)
 from memfit import Config
+from memfit.errors import WorkloadError
 from memfit.memory import estimate as estimate_module
 from memfit.workloads import builtin
 from truth import allocator_step_peak, real_step_peak
@@ -673,3 +675,17 @@ def test_backward_formulas_that_fill_their_zeros_in_place_are_counted_so(pick):
                          loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), name=f"pick_{pick}")
     config = Config(micro_batch=64)
     assert memfit.estimate(wl, config).peak_bytes == allocator_step_peak(wl, config)
+
+
+def test_a_step_that_does_not_train_is_refused_for_what_it_is():
+    """A generation loop under no_grad is not a training step: the refusal says so (and points away from fake
+    tensors and host memory, which are not the cause), on fake tensors and on a GPU target alike."""
+    def generate(m, b):
+        with torch.no_grad():
+            return m(b["x"]).float().mean()
+
+    wl = dataclasses.replace(mlp_workload(), loss=generate)
+    for device in ("cpu", "a100-80gb"):
+        with pytest.raises(WorkloadError, match="does not require grad .* memfit's step trains") as e:
+            memfit.estimate(wl, Config(micro_batch=4), device=device)
+        assert "fake tensors" not in str(e.value) and "real CPU step" not in str(e.value)

@@ -91,6 +91,8 @@ class TrainStep:
                                              "compute its cross-entropy with memfit.losses.chunked_cross_entropy")
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise WorkloadError("workload.loss(model, batch) must return a scalar tensor")
+                if not loss.requires_grad:
+                    raise WorkloadError(_NOT_TRAINING)
                 self._enter("backward")
                 scaled = loss.float() * weight
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -197,6 +199,12 @@ class TrainStep:
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.workload.max_grad_norm, norm)
         self.grad_norm = norm
+
+
+_NOT_TRAINING = (
+    "workload.loss(model, batch) returned a loss that does not require grad (computed under torch.no_grad() or "
+    "inference_mode, or with every parameter frozen): memfit's step trains (forward, backward, optimizer step); "
+    "it does not estimate generation or evaluation, and inference memory (KV cache, serving) is not supported yet")
 
 
 def _sparse_gradients(model: torch.nn.Module) -> set[int]:
