@@ -96,6 +96,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                         "(same math; language models: memfit's GPT, transformers' causal LMs)")
     p.add_argument("--optimizer-8bit", action="store_true",
                    help="Adam's moments in 8 bits, block-wise scaled (2 bytes a parameter instead of 8; changes the math)")
+    p.add_argument("--paged-optimizer", action="store_true",
+                   help="with --optimizer-8bit: the 8-bit states live in host memory, each parameter's paged to the "
+                        "GPU for its own update (bitsandbytes' paged 8-bit AdamW under memory pressure; one GPU)")
     p.add_argument("--base-4bit", action="store_true",
                    help="QLoRA: the frozen Linear layers' weights in 4-bit NF4 (0.52 bytes a weight; with --lora; "
                         "changes the math)")
@@ -126,8 +129,9 @@ def _config_json(text: str) -> Config:
 
 
 _ALLOW_HELP = ("techniques that change the math, searched with the rest when named (comma-separated): 8bit-optim "
-               "(Adam's moments in 8 bits), lora (r=16, alpha=32 adapters, the base frozen), qlora (lora, and the "
-               "base's weights in 4 bits too)")
+               "(Adam's moments in 8 bits), paged-optim (the 8-bit moments in host memory, paged to the GPU one "
+               "parameter at a time: bitsandbytes' paged 8-bit AdamW), lora (r=16, alpha=32 adapters, the base "
+               "frozen), qlora (lora, and the base's weights in 4 bits too)")
 
 
 def _allow(text: str | None) -> tuple[str, ...]:
@@ -146,7 +150,8 @@ def _config(args, device=None) -> Config:
     return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
-                  optimizer_8bit=args.optimizer_8bit, base_4bit=args.base_4bit, loss_chunks=args.loss_chunks,
+                  optimizer_8bit=args.optimizer_8bit, paged_optimizer=args.paged_optimizer, base_4bit=args.base_4bit,
+                  loss_chunks=args.loss_chunks,
                   gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
 
 

@@ -38,6 +38,9 @@ class Config:
             written with `memfit.losses.chunked_cross_entropy` (memfit's GPT, transformers' causal LMs).
         optimizer_8bit: Adam's two moments in 8 bits a value, block-wise scaled (2 bytes a parameter instead
             of 8; strategies/optimizer_8bit.py). Changes the math: the planner offers it only when allowed.
+        paged_optimizer: the 8-bit moments kept in host memory, each parameter's copied to the device for its
+            own update only (bitsandbytes' paged 8-bit AdamW under memory pressure; strategies/paged_optimizer.py):
+            the device holds one parameter's state at a time. Needs ``optimizer_8bit``; one GPU.
         base_4bit: the frozen Linear layers' weights stored in 4-bit NF4 with double quantization (QLoRA's
             base; 0.52 bytes a weight; strategies/base_4bit.py), for a LoRA workload. Changes the math: the
             planner offers it only when allowed.
@@ -67,6 +70,7 @@ class Config:
     offload_optimizer: bool = False
     optimizer_in_backward: bool = False
     optimizer_8bit: bool = False
+    paged_optimizer: bool = False
     base_4bit: bool = False
     loss_chunks: int = 1
     gpus: int = 1
@@ -86,6 +90,7 @@ class Config:
             raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
         self._check_layout()
         self._check_in_backward()
+        self._check_paged()
         ck = self.activation_checkpoint
         if isinstance(ck, list):
             object.__setattr__(self, "activation_checkpoint", tuple(ck))
@@ -107,6 +112,16 @@ class Config:
                "not built across ranks yet" if self.gpus > 1 else None)
         if why:
             raise ConfigError(f"optimizer_in_backward updates each parameter as soon as its gradient is ready; {why}")
+
+    def _check_paged(self) -> None:
+        if not self.paged_optimizer:
+            return
+        why = ("paging is built for the 8-bit states (bitsandbytes' paged 8-bit AdamW): set optimizer_8bit too"
+               if not self.optimizer_8bit else
+               "optimizer offload already keeps the states on the host, and steps there" if self.offload_optimizer
+               else "not built across ranks yet" if self.gpus > 1 else None)
+        if why:
+            raise ConfigError(f"paged_optimizer keeps the optimizer states on the host between updates; {why}")
 
     def _check_layout(self) -> None:
         n, layout, per_node = self.gpus, self.data_parallel, self.gpus_per_node
@@ -169,7 +184,8 @@ class Config:
         named = [(self.offload_activations, "activation offload"), (self.offload_optimizer, "optimizer offload"),
                  (self.optimizer_in_backward, "optimizer in backward"),
                  (self.loss_chunks > 1, f"loss in {self.loss_chunks} chunks"),
-                 (self.optimizer_8bit, "8-bit optimizer states (changes the math)"),
+                 (self.optimizer_8bit, f"{'paged ' if self.paged_optimizer else ''}8-bit optimizer states "
+                                       "(changes the math)"),
                  (self.base_4bit, "4-bit NF4 base weights (changes the math)")]
         return [words for on, words in named if on]
 

@@ -16,7 +16,7 @@ from memfit.losses import chunked_used, chunking
 from memfit.strategies import (ActivationOffload, OptimizerInBackward, OptimizerOffload, apply_model_strategies,
                                autocast_context,
                                cast_inputs, check_precision, data_parallel_buffers, eight_bit, host_side,
-                               make_grad_scaler, op_policy)
+                               make_grad_scaler, op_policy, paged)
 from memfit.strategies.cuda_kernels import kernels as cuda_kernels
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
@@ -46,7 +46,8 @@ class TrainStep:
         self.model = apply_model_strategies(model, config, self.device)
         self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
         self.optimizer_offload = None
-        make_optimizer = eight_bit(workload.optimizer) if config.optimizer_8bit else workload.optimizer
+        make_optimizer = (workload.optimizer if not config.optimizer_8bit else
+                          paged(workload.optimizer) if config.paged_optimizer else eight_bit(workload.optimizer))
         if config.offload_optimizer:
             self.optimizer_offload = OptimizerOffload(self.model, make_optimizer, self.device)
             self.optimizer = self.optimizer_offload.optimizer
@@ -69,9 +70,8 @@ class TrainStep:
         """Zero grads -> forward/backward per micro-batch (loss weighted by its share of the global batch)
         -> one optimizer step. Returns the global batch's mean loss (a detached tensor)."""
         cfg, model, opt = self.config, self.model, self.optimizer
-        for offload in (self.activation_offload, self.optimizer_offload):
-            if offload is not None:
-                offload.moved_bytes = 0
+        for mover in self._movers():
+            mover.moved_bytes = 0
         opt.zero_grad(set_to_none=True)
         if self.in_backward is not None:
             self.in_backward.updated = 0
@@ -140,7 +140,12 @@ class TrainStep:
     @property
     def moved_bytes(self) -> int:
         """Bytes copied between host and device by offloading during the last step."""
-        return sum(o.moved_bytes for o in (self.activation_offload, self.optimizer_offload) if o is not None)
+        return sum(m.moved_bytes for m in self._movers())
+
+    def _movers(self) -> list:
+        """What copies between host and device in a step: offloading, paged optimizer states."""
+        paged_states = self.optimizer if self.config.paged_optimizer else None
+        return [m for m in (self.activation_offload, self.optimizer_offload, paged_states) if m is not None]
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything the step keeps between steps: parameters, buffers, gradients, optimizer and loss-scale
@@ -158,7 +163,9 @@ class TrainStep:
         return out
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return self.optimizer_offload.host_tensors() if self.optimizer_offload else []
+        """What lives in host memory between steps: offloaded masters and state, paged optimizer states."""
+        holder = self.optimizer_offload or (self.optimizer if self.config.paged_optimizer else None)
+        return holder.host_tensors() if holder is not None else []
 
     def _offload_hooks(self):
         return self.activation_offload.hooks() if self.activation_offload else contextlib.nullcontext()

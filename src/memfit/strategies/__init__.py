@@ -2,7 +2,7 @@
 
 Order: 4-bit base weights replace the frozen Linear layers (QLoRA), precision casts the weights, checkpointing
 wraps the repeated blocks, then data parallelism shards them across ranks (apply_model_strategies);
-TrainStep then builds the optimizer (with 8-bit moments when asked), puts optimizer offload (or the optimizer
+TrainStep then builds the optimizer (with 8-bit moments, paged from the host, when asked), puts optimizer offload (or the optimizer
 step in backward) around the optimizer and activation offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
 """
@@ -17,13 +17,14 @@ from memfit.strategies.data_parallel import apply_data_parallel, data_parallel_b
 from memfit.strategies.offload import ActivationOffload, OptimizerOffload, host_side, on_host_side
 from memfit.strategies.optimizer_8bit import eight_bit
 from memfit.strategies.optimizer_in_backward import OptimizerInBackward
+from memfit.strategies.paged_optimizer import paged
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
 from memfit.torch_internals import keep_tensors_on_unchanged_conversion
 
 __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "apply_model_strategies", "autocast_context",
            "cast_inputs", "check_precision", "data_parallel_buffers", "eight_bit", "host_side", "make_grad_scaler",
-           "on_host_side", "op_policy"]
+           "on_host_side", "op_policy", "paged"]
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
