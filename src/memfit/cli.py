@@ -460,6 +460,7 @@ def _doctor_oom_plan(args, parsed: dict) -> None:
     """What the workload's step holds at its peak and the fastest configuration that fits the GPU's memory."""
     from memfit.memory.devices import get_device
     from memfit.memory.estimate import estimate
+    from memfit.planner.costmodel import step_time_caveat
     from memfit.planner.search import plan
     from memfit.units import fmt_bytes
 
@@ -481,8 +482,10 @@ def _doctor_oom_plan(args, parsed: dict) -> None:
     except PlanError as e:
         print(f"no configuration of global batch {config.global_batch} fits {fmt_bytes(budget)}: {e}")
         return
+    caveat = step_time_caveat(best.profile_source)
     print(f"fastest configuration that fits {fmt_bytes(budget)}: {best.config.describe()} — peak "
-          f"{fmt_bytes(best.peak_bytes)}, {best.step_seconds:.3g} s a step (`memfit plan` explains the choice)")
+          f"{fmt_bytes(best.peak_bytes)}, {best.step_seconds:.3g} s a step{f' ({caveat})' if caveat else ''} "
+          "(`memfit plan` explains the choice)")
 
 
 def cmd_list(args) -> int:

@@ -47,8 +47,10 @@ SUSPECT_AGE = 3600.0
 # was kept for good. Checks (`_problems`): per-op cost over MAX_OP_OVERHEAD; figures measured twice (start
 # and end) that differ by more than REPEAT_SPREAD; a curve whose smallest size takes over MAX_SMALL_OP, or
 # whose larger size ran faster than a smaller one by more than CURVE_DIP; other processes using more
-# than BUSY_CORES cores meanwhile. A suspect calibration is measured once more, then kept for an hour
-# with a warning (`memfit calibrate` refuses to save one).
+# than BUSY_CORES cores meanwhile. A suspect calibration is measured once more; if it is still suspect it
+# is rejected: kept an hour in a file of its own (not measured again at every plan) and used only where no
+# earlier good calibration of this processor is left, marked wherever its step times are shown
+# (`profile_for`, `describe`). `memfit calibrate` refuses to save one.
 MAX_OP_OVERHEAD = 200e-6
 CURVE_DIP = 2.0  # a larger size may run faster than a smaller one by this much (tiny sizes are noisy)
 MAX_SMALL_OP = 5e-3  # the smallest size of a curve takes microseconds (the CPU's bf16 attention backward: 2 ms)
@@ -94,6 +96,7 @@ class Profile:
     machine: dict | None = None          # what the figures hold for: torch version, CPU model, threads (`machine`)
     measured_at: float | None = None     # seconds since the epoch
     problems: list = dataclasses.field(default_factory=list)  # why the figures look wrong; empty if they do not
+    fallback: str | None = None          # why these figures stand in for a newer, rejected calibration (profile_for)
 
     def matmul_seconds(self, kind: str, flops: torch.Tensor) -> torch.Tensor:
         return _curve_seconds(self.matmul["lp" if kind == "lp" else "f32"], flops)
@@ -588,19 +591,33 @@ def catalogue_profile(dev: Device, host: Profile | None = None) -> Profile:
                    link_bandwidth=dev.host_bandwidth or 12e9, host=(host or SERVER_HOST).to_dict())
 
 
+BUSY = "measured on a busy machine"  # how `describe` begins for a rejected calibration
+
+
 def describe(profile: Profile) -> str:
-    """One line for a plan: where the figures come from, when, and the ones that matter most."""
+    """One line for a plan: where the figures come from, when, and the ones that matter most. A rejected
+    calibration is not presented as calibrated: the line begins with BUSY and says what its times are worth."""
     best = {k: max(f / t for f, t in pts) for k, pts in profile.matmul.items()}
     when = ""
     if profile.measured_at:
         m = profile.machine or {}
         when = (f" {datetime.datetime.fromtimestamp(profile.measured_at):%Y-%m-%d %H:%M} ({m.get('cpu')}, "
                 f"{m.get('threads')} threads, torch {m.get('torch')})")
-    text = (f"{profile.source}{when}: {profile.op_overhead * 1e6:.1f} us per op, matmul up to "
-            f"{best['f32'] / 1e9:.0f} GFLOP/s fp32 / {best['lp'] / 1e9:.0f} bf16, copy {profile.bandwidth / 1e9:.0f} GB/s")
+    figures = (f"{profile.op_overhead * 1e6:.1f} us per op, matmul up to {best['f32'] / 1e9:.0f} GFLOP/s fp32 / "
+               f"{best['lp'] / 1e9:.0f} bf16, copy {profile.bandwidth / 1e9:.0f} GB/s")
     if profile.problems:
-        text += f"; SUSPECT ({'; '.join(profile.problems)}): rerun `memfit calibrate` on a quiet machine"
-    return text
+        return (f"{BUSY}{when}: {figures}; rejected ({'; '.join(profile.problems)}): step times may be several "
+                "times off, and so may the choice between configurations, which rests on them; rerun "
+                "`memfit calibrate` on a quiet machine")
+    return f"{profile.source}{when}: {figures}" + (f"; {profile.fallback}" if profile.fallback else "")
+
+
+def step_time_caveat(described: str | None) -> str | None:
+    """What a step time must say with it when it was priced by a rejected calibration (`described`: its
+    `describe` line, as a plan keeps it in `profile`); None when the calibration was not rejected."""
+    if described and described.startswith(BUSY):
+        return f"its step time is from a calibration {BUSY}: it may be several times off"
+    return None
 
 
 def machine(kind: str) -> dict:
@@ -672,22 +689,50 @@ def load_profile(key: str) -> Profile | None:
         return None
 
 
+REJECTED = ".rejected"  # a rejected calibration's cache key: the key of the calibration it failed to replace
+
+
 def profile_for(dev: Device) -> Profile:
     """The CPU and a present GPU are measured (once, then cached); a catalogue GPU uses its data sheet and
-    an assumed server host."""
-    if dev.kind == "cpu" or dev.name.startswith("cuda"):
-        key = cpu_key() if dev.kind == "cpu" else dev.name
-        profile = load_profile(key)
-        why = "no calibration yet" if profile is None else stale(profile)
-        if why:
-            kind = "CPU" if dev.kind == "cpu" else "GPU"
-            took = "; ~10 s" if dev.kind == "cpu" else ""  # a GPU's has not been timed here
-            print(f"memfit: calibrating this {kind} for step times ({why}{took}), cached at {profile_path(key)}",
-                  file=sys.stderr, flush=True)
-            profile = calibrate("cpu" if dev.kind == "cpu" else "cuda")
-            save_profile(profile, key)  # a suspect one too: measured again in an hour, not at every plan
-            if profile.problems:
-                print(f"memfit: warning: the calibration looks wrong ({'; '.join(profile.problems)}); step times "
-                      f"may be off; rerun `memfit calibrate` on a quiet machine", file=sys.stderr, flush=True)
+    an assumed server host. When a new calibration is rejected (a busy machine), an earlier good one of the
+    same processor stands in, saying so; without one the rejected figures are used, marked (`describe`)."""
+    if dev.kind != "cpu" and not dev.name.startswith("cuda"):
+        return catalogue_profile(dev)
+    key = cpu_key() if dev.kind == "cpu" else dev.name
+    profile = load_profile(key)
+    why = "no calibration yet" if profile is None else stale(profile)
+    if not why:
         return profile
-    return catalogue_profile(dev)
+    rejected, measured = load_profile(key + REJECTED), False
+    kind = "CPU" if dev.kind == "cpu" else "GPU"
+    if rejected is None or stale(rejected):  # a rejected one is kept an hour, not measured again at every plan
+        took = "; ~10 s" if dev.kind == "cpu" else ""  # a GPU's has not been timed here
+        print(f"memfit: calibrating this {kind} for step times ({why}{took}), cached at {profile_path(key)}",
+              file=sys.stderr, flush=True)
+        rejected, measured = calibrate("cpu" if dev.kind == "cpu" else "cuda"), True
+        if not rejected.problems:
+            save_profile(rejected, key)
+            profile_path(key + REJECTED).unlink(missing_ok=True)
+            return rejected
+        save_profile(rejected, key + REJECTED)
+    earlier = _earlier(profile, why, rejected)
+    if measured:
+        instead = (f"the earlier calibration of this {kind} stands in ({why})" if earlier
+                   else "step times may be several times off")
+        print(f"memfit: warning: calibration rejected, {BUSY} ({'; '.join(rejected.problems)}); {instead}; rerun "
+              "`memfit calibrate` on a quiet machine", file=sys.stderr, flush=True)
+    return earlier or rejected
+
+
+def _earlier(profile: Profile | None, why: str, rejected: Profile) -> Profile | None:
+    """`profile`, an earlier good calibration (`why`: what made it stale), where it may stand in for
+    `rejected`: measured on the same processor (older, or under another torch, it still beats figures
+    several times off). None otherwise."""
+    if profile is None or profile.problems:
+        return None
+    now = machine(profile.kind)
+    if any((profile.machine or {}).get(k) != now[k] for k in ("cpu", "gpu") if k in now):
+        return None
+    return dataclasses.replace(profile, fallback=(
+        f"an earlier calibration ({why}), used because a new one was rejected, {BUSY} "
+        f"({'; '.join(rejected.problems)}); rerun `memfit calibrate` on a quiet machine"))

@@ -34,6 +34,7 @@ from memfit.memory.isolate import available_host_bytes
 from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
 from memfit.memory.tracker import LiveBytes
+from memfit.planner.costmodel import describe, profile_for, step_time_caveat
 from memfit.runtime import checkpoints as ckpt
 from memfit.runtime import distributed, noise
 from memfit.runtime.trainer import Trainer
@@ -63,12 +64,21 @@ class RunResult:
 class Prediction:
     """What memfit predicted for one configuration. `peak_bytes` is the figure comparable with the run's
     measurement: live tensor bytes on a CPU, `max_memory_allocated` on a GPU. `source` is "plan" when the
-    figures are the plan's own (plan.json), "estimate" when this configuration was estimated for the run."""
+    figures are the plan's own (plan.json), "estimate" when this configuration was estimated for the run.
+    `profile` is the `describe` line of the calibration that priced `step_seconds`: a rejected one's mark
+    goes with the step time wherever it is shown (`costmodel.step_time_caveat`)."""
     config: Config
     peak_bytes: int | None
     step_seconds: float | None
     source: str
     estimate: object = None  # the Estimate, when there is one in this process (for memory.png)
+    profile: str | None = None
+
+    @property
+    def described(self) -> str:
+        """`source`, with what its step time is worth when a rejected calibration priced it."""
+        caveat = step_time_caveat(self.profile) if self.step_seconds is not None else None
+        return f"{self.source} ({caveat})" if caveat else self.source
 
 
 def lr_lambda(schedule: str, steps: int, warmup: int):
@@ -123,7 +133,7 @@ def _comparable_peak(est) -> int:
 
 def from_plan(p) -> Prediction:
     """The plan's own figures: what plan.json says is what the report compares with."""
-    return Prediction(p.config, _comparable_peak(p.estimate), p.step_seconds, "plan", p.estimate)
+    return Prediction(p.config, _comparable_peak(p.estimate), p.step_seconds, "plan", p.estimate, p.profile_source)
 
 
 def predict(workload: Workload, config: Config, dev) -> Prediction:
@@ -133,8 +143,10 @@ def predict(workload: Workload, config: Config, dev) -> Prediction:
     yet), and this machine's CPU is not calibrated for it."""
     from memfit.planner.search import price
 
-    est, seconds = price(workload, config, dev, timed=config.gpus == 1)
-    return Prediction(config, _comparable_peak(est), seconds, "estimate", est)
+    profile = profile_for(dev) if config.gpus == 1 else None
+    est, seconds = price(workload, config, dev, profile=profile, timed=profile is not None)
+    return Prediction(config, _comparable_peak(est), seconds, "estimate", est,
+                      describe(profile) if profile else None)
 
 
 def _saved_plan(out: Path, config: Config) -> Prediction | None:
@@ -147,7 +159,7 @@ def _saved_plan(out: Path, config: Config) -> Prediction | None:
         return None
     est = saved.get("estimate") or {}
     peak = est.get("peak_allocated_bytes") or est.get("peak_bytes")
-    return Prediction(config, peak, saved.get("step_seconds"), "plan")
+    return Prediction(config, peak, saved.get("step_seconds"), "plan", profile=saved.get("profile"))
 
 
 # ------------------------------------------------------------------------------------------ determinism
@@ -686,8 +698,10 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     out.mkdir(parents=True, exist_ok=True)  # everything checked: from here on the run writes
     if chosen is not None:
         (out / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=1))
+        caveat = step_time_caveat(chosen.profile_source)
         console.print(f"plan: {config.describe()}, predicted peak {fmt_bytes(chosen.peak_bytes)}, "
-                      f"{chosen.samples_per_second:.1f} samples/s (saved to {out / 'plan.json'})")
+                      f"{chosen.samples_per_second:.1f} samples/s{f' ({caveat})' if caveat else ''} "
+                      f"(saved to {out / 'plan.json'})")
     run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget_bytes,
                checkpoint_every, console, predictions)
     if state is not None:
@@ -835,7 +849,7 @@ def _report(workload, history: list[dict], predictions: dict, final: Config, ide
         rows.append(dict(config=cfg.to_dict(), steps=len(recs), first_step=recs[0]["step"],
                          predicted_peak_bytes=p.peak_bytes, measured_peak_bytes=max(peaks) if peaks else None,
                          predicted_step_seconds=p.step_seconds, measured_step_seconds=times[len(times) // 2],
-                         prediction_source=p.source))
+                         prediction_source=p.described))
     last = next((r for r in rows if Config.from_dict(r["config"]) == final), rows[-1] if rows else None)
     top = {k: (last or {}).get(k) for k in ("predicted_peak_bytes", "measured_peak_bytes", "predicted_step_seconds",
                                              "measured_step_seconds", "prediction_source")}
