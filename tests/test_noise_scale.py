@@ -6,14 +6,18 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import signal
 import statistics
 
+import pytest
 import torch
 
 import memfit
 import models
 from memfit import Config, Trainer
 from memfit.memory.tracker import LiveBytes
+from memfit.runtime import checkpoints as ckpt
 from memfit.runtime.noise import DECAY, advice, verdict
 from memfit.step import TrainStep
 from memfit.workloads import builtin
@@ -144,3 +148,57 @@ def test_verdict():
     assert verdict(64, 70).startswith("global batch 64 is near the critical batch ~70:")
     assert verdict(1024, 64).startswith("global batch 1024 is far above the critical batch ~64: smaller batches")
     assert verdict(64, 3.14).startswith("global batch 64 is far above the critical batch ~3.1:")
+
+
+RUN = dict(steps=20, global_batch=32, micro_batch=8, seed=3, deterministic=True, progress=False)
+
+
+def interrupted(out, at: int, lr: float) -> None:
+    """The run of RUN stopped by Ctrl-C during step `at` - 1 (it checkpoints step `at`), then resumed to its end."""
+    parent, calls, wl = os.getpid(), [0], linear_regression(lr)
+    inner = wl.loss
+
+    def loss(m, b):
+        if os.getpid() == parent:  # not in the planner's forked traces
+            calls[0] += 1
+            if calls[0] == (at - 1) * RUN["global_batch"] // RUN["micro_batch"] + 1:
+                os.kill(parent, signal.SIGINT)
+        return inner(m, b)
+
+    wl.loss = loss
+    with pytest.raises(KeyboardInterrupt, match=f"checkpoint of step {at} written"):
+        memfit.train(wl, out=out, **RUN)
+    memfit.train(linear_regression(lr), out=out, resume=True, **RUN)
+
+
+def noise_records(out) -> list[tuple]:
+    return [(r["step"], r["noise_trace"], r["noise_grad_sq"], r["noise_scale"])
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("noise") / "whole"
+    memfit.train(linear_regression(0.02), out=out, **RUN)
+    return out
+
+
+def test_a_resumed_run_reports_the_noise_scale_of_the_uninterrupted_run(uninterrupted, tmp_path):
+    """The moving averages are saved with each checkpoint: a resume that started them again from zero
+    reported its first step's own ratio as the scale (a spike), and the advice rested on a few steps."""
+    interrupted(tmp_path / "run", at=10, lr=0.02)
+    whole, resumed = noise_records(uninterrupted), noise_records(tmp_path / "run")
+    assert len(whole) == RUN["steps"] and all(scale is not None for *_, scale in whole[5:])
+    assert resumed == whole  # bit for bit (a deterministic run), at the resumed step and after it
+    report = json.loads((tmp_path / "run" / "report.json").read_text())["batch_size_advice"]
+    assert report == json.loads((uninterrupted / "report.json").read_text())["batch_size_advice"]
+    assert report["measured_steps"] == RUN["steps"]
+
+
+def test_a_checkpoint_without_the_averages_resumes_them_from_the_metrics(uninterrupted, tmp_path, monkeypatch):
+    """A checkpoint written before the averages were saved with it: they are rebuilt from the metrics."""
+    save = ckpt.save_checkpoint
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda *a, **k: save(*a, **{**k, "noise": None}))
+    interrupted(tmp_path / "run", at=10, lr=0.02)
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "run"))["noise"] is None
+    assert noise_records(tmp_path / "run") == noise_records(uninterrupted)

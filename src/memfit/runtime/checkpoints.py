@@ -266,7 +266,7 @@ def _check_plain(value, what: str, path: str = "") -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
                     data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None,
-                    run: Mapping | None = None, shards: Mapping | None = None) -> Path:
+                    run: Mapping | None = None, shards: Mapping | None = None, noise: Mapping | None = None) -> Path:
     """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and its checksum, and return its path.
 
     `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
@@ -277,7 +277,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     ``keep=None`` keeps all. `optimizer_offload` is the engine's `OptimizerOffload` when the optimizer steps
     fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
     own parameters are lower precision. `shards`: {file name: [bytes, sha256]} of the folder `save_sharded`
-    wrote the model and optimizer states to, recorded instead of them.
+    wrote the model and optimizer states to, recorded instead of them. `noise`: the gradient noise scale's
+    `NoiseScale.state_dict()` (its moving averages), for a resume to go on with.
     """
     step = int(step)
     if step < 0:
@@ -291,6 +292,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     _check_plain(config, "config")
     _check_plain(data_state, "data_state")
     _check_plain(run, "run")
+    _check_plain(noise, "noise")
     payload = {
         "format": FORMAT,
         "version": VERSION,
@@ -305,6 +307,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "data_state": data_state,
         "config": config,
         "run": run,
+        "noise": dict(noise) if noise is not None else None,
         "torch_version": str(torch.__version__),
     }
     _check_plain(payload["optimizer"], "optimizer.state_dict()")

@@ -68,7 +68,9 @@ class NoiseScale:
     scale under fp16): both are undone here.
 
     `last` is the newest step's `NoiseSample` (None when it did not accumulate, or its fp16 gradients
-    overflowed); `b_simple` the moving-average noise scale so far.
+    overflowed); `b_simple` the moving-average noise scale so far. The moving averages are part of a run's
+    state (`state_dict`, saved with each checkpoint): a resume that started them again from zero reported
+    its first step's own ratio as the scale, a spike a hundred times the run's.
     """
 
     def __init__(self, engine):
@@ -98,6 +100,23 @@ class NoiseScale:
     def reset(self) -> None:
         """Forget a step cut short (an OOM): its micro-batches are redone."""
         self._sizes, self._sums = [], []
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps so that a resumed run's moving averages go on where they stopped."""
+        return {"averages": list(self._averages)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._averages = [float(v) for v in state["averages"]]
+
+    def replay(self, records: list[dict]) -> None:
+        """The moving averages rebuilt from a run's metrics records, in step order (each measured step logs
+        the estimates it added): for a checkpoint written before the averages were saved with it."""
+        for r in records:
+            if "noise_trace" in r:
+                self._add(r["noise_trace"], r["noise_grad_sq"])
+
+    def _add(self, trace: float, grad_sq: float) -> None:
+        self._averages = [DECAY * a + (1 - DECAY) * x for a, x in zip(self._averages, (trace, grad_sq))]
 
     @property
     def b_simple(self) -> float | None:
@@ -133,7 +152,7 @@ class NoiseScale:
         if not (math.isfinite(grad_sq) and math.isfinite(trace)):  # fp16 gradients overflowed, or sparse ones
             return
         self.last = NoiseSample(grad_sq, trace, b, total)
-        self._averages = [DECAY * a + (1 - DECAY) * x for a, x in zip(self._averages, (trace, grad_sq))]
+        self._add(trace, grad_sq)
 
 
 def _about(x: float) -> str:

@@ -285,6 +285,7 @@ class _Run:
         e = self.trainer.engine
         if self.trainer.config.gpus > 1:
             return self._save_ranks(step)
+        noise = self.trainer.noise  # its moving averages go on after a resume
         bad = next((n for n, p in e.model.named_parameters() if not torch.isfinite(p).all()), None)
         if bad is not None:
             raise RunError(f"step {step}: parameter {bad} holds NaN or inf, so it was not saved; {self.intact()}")
@@ -292,7 +293,8 @@ class _Run:
             path = ckpt.save_checkpoint(self.out, step, model=e.model, optimizer=e.optimizer, scaler=e.scaler,
                                         scheduler=self.scheduler, config=self.trainer.config,
                                         data_state={"seed": self.seed, "global_batch": self.global_batch},
-                                        optimizer_offload=e.optimizer_offload, run=self.identity)
+                                        optimizer_offload=e.optimizer_offload, run=self.identity,
+                                        noise=noise.state_dict() if noise is not None else None)
         except OSError as err:
             raise RunError(self._save_failed(err, step)) from err
         except KeyboardInterrupt:
@@ -328,6 +330,11 @@ class _Run:
                      optimizer_offload=e.optimizer_offload, path=path)
         self.trainer.step_count = self.saved_step = state["step"]
         self._forget_metrics_from(state["step"])
+        if self.trainer.noise is not None:  # the noise scale's moving averages go on where they stopped
+            if state.get("noise") is not None:
+                self.trainer.noise.load_state_dict(state["noise"])
+            else:  # a checkpoint written before they were saved with it: the metrics kept above hold them
+                self.trainer.noise.replay(_history(self.out))
         self._log_event(state["step"], f"resumed from {path.name}")
         self.console.print(f"resumed from {path} (step {state['step']} of {self.steps}, "
                            f"{self.trainer.config.describe()})")
