@@ -195,6 +195,60 @@ def test_unknown_device(capfd):
     _assert_one_line_error(*_run(capfd, "estimate", "mlp-tiny", "--device", "h1000"), "h1000", "h100")
 
 
+# The model wants 5 features and raises on the 8 the batch has, in its own code: every command's one line says
+# where. With RAISE_AFTER, only after that many real (not fake, not forked) forward passes: in `memfit train`'s
+# steps, after the estimate has traced the step.
+FORWARD_RAISES = """
+import os
+import torch
+import torch.nn.functional as F
+import memfit
+
+PARENT, CALLS, RAISE_AFTER = os.getpid(), [0], {after}
+
+
+class Picky(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        CALLS[0] += os.getpid() == PARENT
+        if x.shape[1] != 5 and CALLS[0] > RAISE_AFTER:
+            raise ValueError(f"expected 5 features, got {{x.shape[1]}}")
+        return self.linear(x)
+
+
+def workload():
+    return memfit.Workload(model=Picky, batch=lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,))),
+                           loss=lambda model, b: F.cross_entropy(model(b[0]), b[1]))
+"""
+
+
+def _raising_job(tmp_path: Path, after: int = -1) -> tuple[str, str]:
+    """The job's path, and where its forward raises as the one line must say it ("folder/picky.py:N in forward")."""
+    source = textwrap.dedent(FORWARD_RAISES.format(after=after))
+    line = next(i for i, text in enumerate(source.splitlines(), 1) if "raise ValueError" in text)
+    return _write(tmp_path, "picky.py", source), f"{tmp_path.name}/picky.py:{line} in forward"
+
+
+@pytest.mark.parametrize("command", [["estimate", "--micro-batch", "2"], ["plan", "--global-batch", "4"]])
+def test_an_error_in_the_users_model_says_where_it_was_raised(capfd, tmp_path, command):
+    """The estimate traces in a forked child: the place crosses back with the error."""
+    path, where = _raising_job(tmp_path)
+    _assert_one_line_error(*_run(capfd, command[0], f"{path}:workload", *command[1:]),
+                           f"raised: ValueError: expected 5 features, got 8 ({where})")
+
+
+def test_an_error_in_the_users_model_during_training_says_where_and_which_checkpoint_is_intact(capfd, tmp_path):
+    path, where = _raising_job(tmp_path, after=2)  # the third real forward: step 2's
+    code, out, err = _run(capfd, "train", f"{path}:workload", "--steps", "4", "--global-batch", "2", "--micro-batch",
+                          "2", "--checkpoint-every", "1", "--no-progress", "--out", str(tmp_path / "run"))
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [f"memfit: error: step 2: the workload's training step raised: ValueError: "
+                                        f"expected 5 features, got 8 ({where}); the checkpoint of step 2 is intact"]
+
+
 def test_unknown_builtin(capfd):
     _assert_one_line_error(*_run(capfd, "estimate", "no-such-model"), "unknown workload")
     _assert_one_line_error(*_run(capfd, "summary", "gpt-huge"), "unknown workload")

@@ -3,6 +3,11 @@ what memfit refuses or cannot do, and nothing else. Each class says which stage 
 one line that says why (the CLI prints it and exits 2)."""
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import sysconfig
+
 
 class MemfitError(Exception):
     """Base class of memfit's errors."""
@@ -60,3 +65,66 @@ class CheckpointError(MemfitError):
 
 class RunError(MemfitError):
     """The run cannot go on; the message says which checkpoint is intact."""
+
+
+# ------------------------------------------------------------------------------------------ one line
+
+
+def first_line(e: BaseException) -> str:
+    """`e` as a clause of one line, for a message that wraps it: its type, its message's first line and, when
+    the user's own code raised it, where ("ValueError: bad shape (job.py:42 in forward)")."""
+    text = str(e).strip()
+    line = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    where = raised_at(e)
+    return f"{line} ({where})" if where else line
+
+
+def raised_at(e: BaseException) -> str:
+    """Where the user's own code raised `e`, "job.py:42 in forward": the innermost frame of its traceback that
+    is not torch, Python's library, an installed package or memfit; "" where none is. A traceback does not
+    cross a pickle, so a forked tracing child records the answer on the error (`memfit_raised_at`) before it
+    sends it back, and that answer is the one given."""
+    if hasattr(e, "memfit_raised_at"):
+        return e.memfit_raised_at
+    where, tb = "", e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if _users_code(code.co_filename):
+            where = f"{short_path(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return where
+
+
+_MEMFIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
+
+
+def _users_code(filename: str) -> bool:
+    """Whether `filename` is the user's own code (their model, loss, batch), whose line they can act on."""
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return False
+    path = os.path.abspath(filename)
+    if {"site-packages", "dist-packages"} & set(path.split(os.sep)):
+        return False
+    torch = sys.modules.get("torch")  # a source build of torch is not in site-packages
+    theirs = (_MEMFIT, _STDLIB, *([os.path.join(os.path.dirname(torch.__file__), "")] if torch else []))
+    return not path.startswith(theirs)
+
+
+def short_path(filename: str) -> str:
+    """A source file as memfit prints it: an installed package's from its package folder on; else relative
+    to the working directory when under it, else its folder and name."""
+    return _short_path(filename, os.getcwd())
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every allocation a traced step makes, of a few hundred files
+def _short_path(filename: str, cwd: str) -> str:
+    path = os.path.abspath(os.path.join(cwd, filename))
+    parts = path.split(os.sep)
+    for folder in ("site-packages", "dist-packages"):  # an installed package (a virtualenv under cwd too)
+        if folder in parts:
+            return os.sep.join(parts[len(parts) - parts[::-1].index(folder):])
+    cwd = os.path.join(cwd, "")
+    if path.startswith(cwd):
+        return path[len(cwd):]
+    return os.sep.join(parts[-2:])

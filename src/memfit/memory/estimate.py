@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, EstimateError, HostMemoryError, MemfitError, MicroBatchError, WorkloadError
+from memfit.errors import (ConfigError, EstimateError, HostMemoryError, MemfitError, MicroBatchError, WorkloadError,
+                           first_line)
 from memfit.memory import allocator
 from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
@@ -51,11 +52,6 @@ PROBES = (1, 2)
 PROBES_WITHOUT_1 = (2, 4)
 TOP_TENSORS = 200   # the largest tensors live at the peak an estimate lists (with shape, module, source line)
 MODULE_GROUPS = 8   # blocks whose activations the timeline keeps apart
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 @dataclasses.dataclass
@@ -773,7 +769,7 @@ def _fallback(workload: Workload, config: Config, dev: Device, reason: str, part
     except (ConfigError, EstimateError):
         raise
     except Exception as e:
-        raise WorkloadError(f"the workload's training step raised: {type(e).__name__}: {e}") from e
+        raise WorkloadError(f"the workload's training step raised: {first_line(e)}") from e
     est = points[-1].estimate
     why = f"fake tensors could not follow this step ({reason})"
     if len(points) == 1:

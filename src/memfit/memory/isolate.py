@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from memfit.errors import EstimateError
+from memfit.errors import EstimateError, first_line, raised_at
 from memfit.torch_internals import add_fast_cache_entries, fast_cache_entries, fast_cache_size, import_dynamo
 from memfit.units import fmt_bytes
 
@@ -140,7 +140,7 @@ class ValueBranches:
         except Exception as e:
             if not (droppable(e) and (self.taken or self.result_path is not None)):
                 raise
-            error, ways = e, Ways(None, [], [], [_first_line(e)])
+            error, ways = e, Ways(None, [], [], [first_line(e)])
         for site, way in self.taken:
             ways.sites += [site, *way.sites]
             ways.peaks += way.peaks
@@ -222,19 +222,17 @@ def _child(fn: Callable, path: str, collecting: bool) -> None:
 
 def _picklable(e: BaseException) -> BaseException:
     """`e` itself, or where it does not pickle an EstimateError with its name, first line and the notes
-    memfit attached to it."""
+    memfit attached to it; either way with where the user's code raised it (`raised_at`), which needs the
+    traceback, and that stays in this child."""
+    e.memfit_raised_at = raised_at(e)
     try:
         pickle.dumps(e)
         return e
     except Exception:  # noqa: BLE001 - whatever pickling raises
-        error = EstimateError(_first_line(e))
+        error = EstimateError(first_line(e))
         error.memfit_partial = getattr(e, "memfit_partial", None)
         error.memfit_workload_raised = getattr(e, "memfit_workload_raised", False)
         return error
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _write_and_exit(path: str, result) -> None:

@@ -7,8 +7,8 @@ import dataclasses
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, MicroBatchError, WorkloadError
-from memfit.memory.estimate import PROBES_WITHOUT_1, first_line
+from memfit.errors import ConfigError, MicroBatchError, WorkloadError, first_line
+from memfit.memory.estimate import PROBES_WITHOUT_1
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.tracker import LiveBytes, ModuleScope, OpRecorder, seeing_saved
 from memfit.step import TrainStep

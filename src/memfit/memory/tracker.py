@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from memfit.errors import short_path
 from memfit.memory.fake import op_flops
 from memfit.memory.kernels import fix_fake_outputs
 from memfit.strategies.offload import on_host_side
@@ -123,25 +124,6 @@ def source_line() -> str:
             return f"{short_path(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
-
-
-def short_path(filename: str) -> str:
-    """An installed package's file from its package folder on; else relative to the working directory when
-    under it, else its folder and name."""
-    return _short_path(filename, os.getcwd())
-
-
-@functools.lru_cache(maxsize=4096)  # asked for every allocation a traced step makes, of a few hundred files
-def _short_path(filename: str, cwd: str) -> str:
-    path = os.path.abspath(os.path.join(cwd, filename))
-    parts = path.split(os.sep)
-    for folder in ("site-packages", "dist-packages"):  # an installed package (a virtualenv under cwd too)
-        if folder in parts:
-            return os.sep.join(parts[len(parts) - parts[::-1].index(folder):])
-    cwd = os.path.join(cwd, "")
-    if path.startswith(cwd):
-        return path[len(cwd):]
-    return os.sep.join(parts[-2:])
 
 
 class _Scoped(TorchDispatchMode):

@@ -21,10 +21,10 @@ import warnings
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, HostMemoryError
+from memfit.errors import ConfigError, HostMemoryError, short_path
 from memfit.memory.estimate import SAFE_HOST_SHARE, estimate
 from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated
-from memfit.memory.tracker import LiveBytes, ModuleScope, short_path
+from memfit.memory.tracker import LiveBytes, ModuleScope
 from memfit.step import TrainStep
 from memfit.units import fmt_bytes
 from memfit.workload import Workload

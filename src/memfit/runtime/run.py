@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, RunError
+from memfit.errors import ConfigError, RunError, WorkloadError, first_line, raised_at
 from memfit.memory.devices import defaults_for, get_device
 from memfit.memory.isolate import available_host_bytes
 from memfit.memory.kernels import CpuWorkspaces
@@ -504,6 +504,11 @@ class _Run:
                             raise
                         raise KeyboardInterrupt(f"stopped during step {step}, nothing of it saved; "
                                                 f"{self.intact()}") from None
+                    except Exception as e:
+                        if not raised_at(e):  # memfit's or torch's own failure: as it is
+                            raise
+                        raise WorkloadError(f"step {step}: the workload's training step raised: {first_line(e)}; "
+                                            f"{self.intact()}") from e
                     seconds = time.perf_counter() - t0
                     if not math.isfinite(loss):  # its weights went through an optimizer step: none is saved
                         self._log_event(step, f"stopped: loss is {loss}")
