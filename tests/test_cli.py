@@ -249,6 +249,26 @@ def test_an_error_in_the_users_model_during_training_says_where_and_which_checkp
                                         f"expected 5 features, got 8 ({where}); the checkpoint of step 2 is intact"]
 
 
+def test_options_and_seq_reach_a_workload_function_as_keyword_arguments(capfd, tmp_path):
+    path = _write(tmp_path, "sized.py", """
+        import torch
+        import torch.nn.functional as F
+        import memfit
+
+        def workload(width=4, lr=1e-3, seq=None):
+            return memfit.Workload(model=lambda: torch.nn.Linear(width, 2),
+                                   batch=lambda n: (torch.randn(n, width), torch.randint(0, 2, (n,))),
+                                   loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                                   name=f"width={width!r} lr={lr!r} seq={seq!r}")
+        """)
+    code, out, err = _run(capfd, "estimate", f"{path}:workload", "-o", "width=8", "-o", "lr=3e-4", "--seq", "16",
+                          "--json")
+    assert code == 0, err
+    assert json.loads(out)["workload"] == "width=8 lr=0.0003 seq=16"  # a number, not the text "3e-4"
+    _assert_one_line_error(*_run(capfd, "estimate", f"{path}:workload", "-o", "depth=2"),
+                           "unexpected keyword argument 'depth'; its keyword arguments: width, lr, seq")
+
+
 def test_unknown_builtin(capfd):
     _assert_one_line_error(*_run(capfd, "estimate", "no-such-model"), "unknown workload")
     _assert_one_line_error(*_run(capfd, "summary", "gpt-huge"), "unknown workload")

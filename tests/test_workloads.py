@@ -182,3 +182,69 @@ def test_zoo_names():
     assert models.DATA_DEPENDENT <= set(models.ALL)
     with pytest.raises(ValueError, match="adagrad"):
         models.vit(optimizer="lion")
+
+
+# ---------------------------------------------------------------------------------------------- job files
+
+JOB_BESIDE = """
+import torch
+import torch.nn.functional as F
+import memfit
+from beside_job import WIDTH  # a module in the job's own folder
+
+
+def workload():
+    return memfit.Workload(model=lambda: torch.nn.Linear(WIDTH, 2),
+                           batch=lambda n: (torch.randn(n, WIDTH), torch.randint(0, 2, (n,))),
+                           loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+"""
+
+
+def test_a_job_file_imports_the_modules_beside_it_and_only_its_folder_is_added(tmp_path, monkeypatch):
+    """The `memfit` script puts neither the working directory nor the job's folder on sys.path; a job that
+    imports a helper from its own folder failed without PYTHONPATH=."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # given back as it was after the test
+    job = tmp_path / "jobs" / "job.py"
+    job.parent.mkdir()
+    job.write_text(JOB_BESIDE)
+    (job.parent / "beside_job.py").write_text("WIDTH = 6\n")
+    before = list(sys.path)
+    try:
+        assert load_workload(f"{job}:workload").model().in_features == 6
+        load_workload(f"{job}:workload")  # a second load adds nothing more
+    finally:
+        sys.modules.pop("beside_job", None)
+    assert sys.path == [str(job.parent.resolve()), *before]
+
+
+JOB_WITH_KEYWORDS = """
+import torch
+import torch.nn.functional as F
+import memfit
+
+
+def workload(width=4, lr=1e-3, *, seq=None):
+    return memfit.Workload(model=lambda: torch.nn.Linear(width, 2),
+                           batch=lambda n: (torch.randn(n, width), torch.randint(0, 2, (n,))),
+                           loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                           optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+                           name=f"width={width!r} lr={lr!r} seq={seq!r}")
+
+
+def fixed():
+    return workload()
+"""
+
+
+def test_options_are_keyword_arguments_of_a_workload_function(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text(JOB_WITH_KEYWORDS)
+    assert load_workload(f"{job}:workload", width=8, lr=3e-4).name == "width=8 lr=0.0003 seq=None"
+    assert load_workload(f"{job}:workload", seq=16).name == "width=4 lr=0.001 seq=16"
+    with pytest.raises(WorkloadError) as err:
+        load_workload(f"{job}:workload", widht=8)
+    assert str(err.value) == (f"{job}:workload() got an unexpected keyword argument 'widht'; its keyword "
+                              "arguments: width, lr, seq (-o KEY=VALUE and --seq pass them)")
+    with pytest.raises(WorkloadError, match=r"fixed\(\) got an unexpected keyword argument 'seq'; it takes no "
+                                            r"keyword arguments"):
+        load_workload(f"{job}:fixed", seq=16)

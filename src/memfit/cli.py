@@ -21,16 +21,27 @@ def _activation_checkpoint_arg(text: str):
 
 
 def _options(args) -> dict:
-    """Options for built-in workloads: --seq and repeated -o key=value (ints where they look like ints)."""
+    """Options of a built-in, or keyword arguments of a workload function: --seq when given and repeated
+    -o key=value (a number where the value reads as one, so that `-o lr=3e-4` is a float)."""
     opts = {}
     for item in args.option or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise WorkloadError(f"option {item!r} must be key=value")
-        opts[key] = int(value) if value.lstrip("-").isdigit() else value
+        opts[key] = _number(value)
     if args.seq is not None:
         opts["seq"] = args.seq
     return opts
+
+
+def _number(text: str) -> int | float | str:
+    """An -o value: an int or a float where it reads as one, else the text as given."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return float(text) if any(c.isdigit() for c in text) else text
+    except ValueError:
+        return text
 
 
 def _workload(args):
@@ -63,8 +74,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_workload_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq", type=int, help="sequence length for built-in language models")
-    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="option for a built-in workload")
+    p.add_argument("--seq", type=int, help="sequence length for built-in language models (to a workload function: "
+                                           "its keyword argument seq)")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                   help="option for a built-in workload, or a keyword argument of your workload function "
+                        "(path/to/job.py:function called as function(KEY=VALUE, ...); numbers as int or float)")
     p.add_argument("--lora", metavar="KEY=VALUE,...", help=_LORA_HELP)
     p.add_argument("--max-grad-norm", type=float, metavar="NORM",
                    help="clip the gradients' total L2 norm to NORM before each optimizer step (default: the "
