@@ -376,6 +376,21 @@ def test_every_option_of_every_command_has_help():
     assert not missing, f"options without help: {missing}"
 
 
+def test_train_help_says_what_the_schedule_does_and_the_checkpoint_defaults():
+    import argparse
+
+    from memfit.cli import build_parser
+
+    parser = build_parser()
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    text = " ".join(train.format_help().split())
+    assert "--schedule {cosine,onecycle,constant} learning-rate schedule, which changes the optimizer's own rate. " \
+           "cosine (the default): linear warm-up over the first 5% of steps to the optimizer's rate, then down to " \
+           "10% of it at the end" in text
+    assert re.search(r"--checkpoint-every N save a checkpoint every N steps, [^()]*\(default: 100\)", text)
+    assert re.search(r"--keep-checkpoints N checkpoints the run folder keeps, the newest N[^()]*\(default: 2\)", text)
+
+
 def test_list_shows_the_builtin_workloads_and_the_gpu_catalogue(capfd):
     from memfit.memory.devices import DEVICES, get_device
     from memfit.workloads import BUILTIN_NAMES

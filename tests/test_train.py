@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -532,6 +533,31 @@ def test_lr_schedules(tmp_path):
     assert lrs["cosine"] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle", "constant"])
+def test_a_run_says_what_its_schedule_does_to_the_optimizers_rate(tmp_path, capfd, schedule):
+    """A schedule changes the rate the workload's optimizer asked for (the default cosine ends at a tenth of
+    it): the run says so before its first step, with the rates its steps then train at (metrics.jsonl's lr,
+    which the run's own scheduler set), and the report records the schedule."""
+    out = tmp_path / "run"
+    chosen = [] if schedule == "cosine" else ["--schedule", schedule]
+    assert main(["train", "mlp-tiny", "--steps", "40", "--global-batch", "4", "--micro-batch", "4", "--no-progress",
+                 "--out", str(out), *chosen]) == 0
+    text = " ".join(capfd.readouterr().out.split())  # the console wraps lines
+    lrs = [r["lr"] for r in step_records(out)]
+    if schedule == "constant":
+        assert f"learning rate: constant, the optimizer's own {lrs[0]:.3g}" in text, text
+    else:
+        said = re.search(r"learning rate: (\w+) schedule, from (\S+) up to the optimizer's (\S+)( over 2 warm-up "
+                         r"steps)?, then down to (\S+) at step 40 \(--schedule constant keeps the optimizer's own\)",
+                         text)
+        assert said, text
+        name, first, peak, warm_up, last = said.groups()
+        assert name == schedule and bool(warm_up) == (schedule == "cosine")  # 5% of 40 steps
+        assert [float(first), float(peak), float(last)] == pytest.approx([lrs[0], max(lrs), lrs[-1]], rel=5e-3)
+        assert lrs[-1] <= max(lrs) / 9
+    assert json.loads((out / "report.json").read_text())["schedule"] == schedule
+
+
 # ------------------------------------------------------------------------------------------------ the default run
 
 
@@ -817,6 +843,12 @@ def test_a_save_that_fails_says_which_checkpoint_is_intact(tmp_path, monkeypatch
         train(builtin("mlp-tiny"), 5, 4, micro_batch=4, checkpoint_every=1, progress=False, out=tmp_path / "again")
 
 
+def test_keep_checkpoints_keeps_the_newest_n(tmp_path):
+    out = tmp_path / "run"
+    assert main([*CLI_RUN, "--keep-checkpoints", "3", "--out", str(out)]) == 0  # 5 steps, one checkpoint a step
+    assert saved_steps(out) == [3, 4, 5]
+
+
 def test_train_reraises_ctrl_c_after_its_checkpoint(tmp_path):
     """In Python, Ctrl-C finishes the step, writes the checkpoint and the report, then raises
     KeyboardInterrupt (it used to return as if the run had ended)."""
@@ -843,7 +875,8 @@ def test_train_reraises_ctrl_c_after_its_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value", [("--checkpoint-every", "-1"), ("--checkpoint-every", "0"), ("--steps", "0"),
-                                         ("--steps", "-3"), ("--global-batch", "0"), ("--micro-batch", "0")])
+                                         ("--steps", "-3"), ("--global-batch", "0"), ("--micro-batch", "0"),
+                                         ("--keep-checkpoints", "0")])
 def test_bad_counts_are_one_line_and_nothing_is_written(tmp_path, capsys, flag, value):
     out = tmp_path / "run"
     flags = {"--steps": "2", "--global-batch": "4", "--micro-batch": "4", "--out": str(out)} | {flag: value}

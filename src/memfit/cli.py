@@ -345,7 +345,7 @@ def cmd_train(args) -> int:
     from memfit.runtime import distributed
     from memfit.runtime.run import default_run_dir
 
-    _check_counts(args, "gpus")
+    _check_counts(args, "gpus", "keep_checkpoints")
     allow = _allow(args.allow)
     if {"lora", "qlora"} & set(allow):
         from memfit.planner.search import lora_flag
@@ -375,7 +375,8 @@ def cmd_train(args) -> int:
     console = Console()
     result = train(workload, args.steps, args.global_batch, budget=args.budget, device=args.device,
                    micro_batch=args.micro_batch, precision=args.precision, seed=args.seed, out=args.out,
-                   checkpoint_every=args.checkpoint_every, resume=args.resume, schedule=args.schedule,
+                   checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+                   resume=args.resume, schedule=args.schedule,
                    progress=not args.no_progress, console=console, deterministic=args.deterministic,
                    gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow)
     if args.gpus > 1 and not result.report:
@@ -604,10 +605,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model's initial weights, the data and dropout (default: %(default)s)")
     p.add_argument("--out", help="run folder (default: a new one under ./runs/)")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="save a checkpoint every N steps (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N",
+                   help="save a checkpoint every N steps, and at the end and on Ctrl-C (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="checkpoints the run folder keeps, the newest N; an older one is deleted once a newer one is "
+                        "complete (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument("--schedule", choices=["cosine", "onecycle", "constant"],
-                   help="learning-rate schedule over the run (default: cosine; with --resume, the run's own)")
+                   help="learning-rate schedule, which changes the optimizer's own rate. cosine (the default): linear "
+                        "warm-up over the first 5%% of steps to the optimizer's rate, then down to 10%% of it at the "
+                        "end; onecycle: from 1/25 of it up to it and down to 1/250,000 of it; constant: the "
+                        "optimizer's rate throughout. The run prints the rates; with --resume, the run's own")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="deterministic kernels and a fixed thread count, so that a resumed run ends bit for bit as "
                         "the uninterrupted run would (same machine and PyTorch); with --resume, as the run started")

@@ -103,6 +103,33 @@ def make_scheduler(optimizer, schedule: str, steps: int, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, steps, warmup))
 
 
+def schedule_rates(schedule: str, lr: float, steps: int, warmup: int, at: list[int]) -> list[float]:
+    """The rate each step in `at` (counted from 0) trains at when `schedule` drives an optimizer of rate `lr`:
+    read off `make_scheduler`'s own scheduler on a stand-in optimizer, jumped to each step (both schedulers
+    compute a step's rate from its number alone), so a run says what it will do, not a copy of the formula."""
+    scheduler = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), schedule, steps, warmup)
+    rates = []
+    with warnings.catch_warnings():  # get_lr() outside step() warns that get_last_lr() is the usual way
+        warnings.simplefilter("ignore")
+        for step in at:
+            scheduler.last_epoch = step
+            rates.append(scheduler.get_lr()[0])
+    return rates
+
+
+def schedule_line(schedule: str, lr: float, steps: int, warmup: int) -> str:
+    """What the schedule does to the optimizer's own rate `lr`, in one line that a run prints before its first
+    step: the default cosine ends a run at a tenth of the rate the workload asked for."""
+    if schedule == "constant":
+        return f"learning rate: constant, the optimizer's own {lr:.3g}"
+    first, last = schedule_rates(schedule, lr, steps, warmup, [0, steps - 1])
+    rise = (f"from the optimizer's {lr:.3g}" if first >= lr else
+            f"from {first:.3g} up to the optimizer's {lr:.3g}"
+            + (f" over {warmup} warm-up steps" if schedule == "cosine" else "") + ", then")
+    return (f"learning rate: {schedule} schedule, {rise} down to {last:.3g} at step {steps} (--schedule constant "
+            "keeps the optimizer's own)")
+
+
 GROWTH_STEPS = 8  # live memory between steps rising over this many steps in a row (but one) is a leak
 GROWTH_WARNING = "warning: live memory between steps"
 
@@ -191,10 +218,10 @@ def deterministic_mode(on: bool, threads: int):
 # ------------------------------------------------------------------------------------------ checks
 
 
-def _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup, schedule) -> None:
+def _check_arguments(steps, global_batch, micro_batch, checkpoint_every, keep_checkpoints, warmup, schedule) -> None:
     for name, value, least in (("steps", steps, 1), ("global batch", global_batch, 1),
                                ("micro-batch", micro_batch, 1), ("checkpoint_every", checkpoint_every, 1),
-                               ("warmup", warmup, 0)):
+                               ("keep_checkpoints", keep_checkpoints, 1), ("warmup", warmup, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
             raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -250,13 +277,17 @@ def _check_resume(path: Path, state: dict, workload: Workload, *, seed, global_b
 
 class _Run:
     def __init__(self, workload: Workload, identity: dict, out: Path, device: str, config: Config,
-                 budget: int | None, checkpoint_every: int | None, console, predictions: dict):
+                 budget: int | None, checkpoint_every: int | None, keep_checkpoints: int, console,
+                 predictions: dict):
         self.workload, self.identity, self.out, self.device = workload, identity, out, device
         self.steps, self.global_batch, self.seed = identity["steps"], identity["global_batch"], identity["seed"]
         self.budget, self.console, self.checkpoint_every = budget, console, checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
         self.predictions = predictions  # Config -> Prediction, for predicted vs measured
         self.trainer = Trainer(workload, config, device=device, seed=self.seed, global_batch=self.global_batch)
         self.rank = torch.distributed.get_rank() if config.gpus > 1 else 0  # only rank 0 writes the run folder
+        console.print(schedule_line(identity["schedule"], self.trainer.optimizer.param_groups[0]["lr"], self.steps,
+                                    identity["warmup"]))
         self.scheduler = make_scheduler(self.trainer.optimizer, identity["schedule"], self.steps, identity["warmup"])
         self.metrics_path = out / "metrics.jsonl"
         self.stop_requested = False
@@ -294,6 +325,7 @@ class _Run:
                                         scheduler=self.scheduler, config=self.trainer.config,
                                         data_state={"seed": self.seed, "global_batch": self.global_batch},
                                         optimizer_offload=e.optimizer_offload, run=self.identity,
+                                        keep=self.keep_checkpoints,
                                         noise=noise.state_dict() if noise is not None else None)
         except OSError as err:
             raise RunError(self._save_failed(err, step)) from err
@@ -318,7 +350,7 @@ class _Run:
             path = ckpt.save_sharded(self.out, step, model=e.model, optimizer=e.optimizer, scheduler=self.scheduler,
                                      config=self.trainer.config,
                                      data_state={"seed": self.seed, "global_batch": self.global_batch},
-                                     run=self.identity)
+                                     run=self.identity, keep=self.keep_checkpoints)
         except OSError as err:
             raise RunError(self._save_failed(err, step)) from err
         self.saved_step = step
@@ -567,7 +599,7 @@ def _history(out: Path) -> list[dict]:
 
 def train(workload: Workload, steps: int, global_batch: int, *, budget=None, device: str = "cpu",
           config: Config | None = None, micro_batch: int | None = None, precision: str | None = None,
-          seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None,
+          seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None, keep_checkpoints: int = 2,
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
           console=None, deterministic: bool | None = None, gpus: int = 1,
           data_parallel: str | None = None, allow=()) -> RunResult:
@@ -589,6 +621,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         seed: seeds the initial weights, the data and dropout.
         out: the run folder (default: a new one under ``./runs/``).
         checkpoint_every: save training state every N steps (always at the end and on Ctrl-C).
+        keep_checkpoints: how many checkpoints the run folder keeps, the newest; an older one is deleted once
+            a newer one is complete.
         resume: continue from the newest intact checkpoint in `out`, after checking it belongs to this run.
         schedule: cosine (warm-up, then down to 10%), onecycle or constant; None: as the run being resumed
             was started (cosine for a new run).
@@ -618,7 +652,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     from rich.console import Console
 
     console = console or Console()
-    _check_arguments(steps, global_batch, micro_batch, checkpoint_every, warmup, schedule)
+    _check_arguments(steps, global_batch, micro_batch, checkpoint_every, keep_checkpoints, warmup, schedule)
     layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget)
     if gpus > 1 and int(os.environ["RANK"]) != 0:
         console = Console(quiet=True)  # rank 0 speaks for the run
@@ -654,8 +688,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
     with deterministic_mode(identity["deterministic"], identity["threads"]):
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                      progress=progress, console=console, gpus=gpus, layout=layout, recovery=recovery,
-                      allow=allow)
+                      keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus, layout=layout,
+                      recovery=recovery, allow=allow)
 
 
 def default_run_dir(workload: Workload) -> Path:
@@ -680,7 +714,8 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
-           checkpoint_every, progress, console, gpus=1, layout="none", recovery=None, allow=()) -> RunResult:
+           checkpoint_every, keep_checkpoints, progress, console, gpus=1, layout="none", recovery=None,
+           allow=()) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
@@ -692,8 +727,8 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
     if gpus > 1:
         return _train_on_ranks(workload, identity, out, state, path, device=device, dev=dev, config=config,
                                micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
-                               progress=progress, console=console, gpus=gpus, layout=layout, budget=budget_bytes,
-                               recovery=recovery)
+                               keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus,
+                               layout=layout, budget=budget_bytes, recovery=recovery)
     if state is not None:  # the run goes on in the configuration it was saved in
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
@@ -715,7 +750,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
                       f"{chosen.samples_per_second:.1f} samples/s{f' ({caveat})' if caveat else ''} "
                       f"(saved to {out / 'plan.json'})")
     run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget_bytes,
-               checkpoint_every, console, predictions)
+               checkpoint_every, keep_checkpoints, console, predictions)
     if state is not None:
         run.restore(path, state)
     elif run.metrics_path.exists():
@@ -755,7 +790,8 @@ def _on_one_rank(config: Config, global_batch: int) -> Config:
 
 
 def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
-                    checkpoint_every, progress, console, gpus, layout, budget, recovery) -> RunResult:
+                    checkpoint_every, keep_checkpoints, progress, console, gpus, layout, budget,
+                    recovery) -> RunResult:
     """`_train` as one of `gpus` ranks: rank 0 predicts (before the world exists: the estimate traces a fake
     one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder. Under a
     budget, every rank counts its own memory; an OOM on any rank restarts all of them in the next
@@ -788,7 +824,7 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
             if recovery is None:  # left by an earlier run in this folder that never resumed
                 (out / distributed.RECOVERY).unlink(missing_ok=True)
         run = _Run(workload, identity, out, dev.name if dev.kind == "cpu" else device, config, budget,
-                   checkpoint_every, console, {config: start})
+                   checkpoint_every, keep_checkpoints, console, {config: start})
         if recovery is not None:
             run.pending[recovery["step"]] = [recovery["event"]]
         if state is not None:
@@ -871,6 +907,7 @@ def _report(workload, history: list[dict], predictions: dict, final: Config, ide
                 samples_per_second=identity["global_batch"] / median if median else None,
                 process_peak_rss_bytes=_process_peak_rss(),
                 oom_recoveries=sum(len(r["events"]) for r in history if "loss" in r),
+                schedule=identity["schedule"], warmup=identity["warmup"],  # the rates per step: metrics.jsonl's lr
                 deterministic=identity["deterministic"], threads=torch.get_num_threads(), configs=rows,
                 batch_size_advice=noise.advice(history, identity["global_batch"], final.gpus),
                 live_growth=next((r["event"] for r in history if r.get("event", "").startswith(GROWTH_WARNING)), None))
