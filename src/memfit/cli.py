@@ -240,9 +240,7 @@ def cmd_summary(args) -> int:
         from rich.console import Console
 
         from memfit.report.tables import summary_view
-        console = Console()
-        console.width = max(console.width, 120)  # a per-module table is wide; wrapping makes it unreadable
-        console.print(summary_view(workload.name, rows, note))
+        Console().print(summary_view(workload.name, rows, note))
     return 0
 
 
@@ -312,7 +310,6 @@ def cmd_plan(args) -> int:
         from rich.console import Console
         from memfit.report.tables import plan_view, verify_view
         console = Console()
-        console.width = max(console.width, 100)
         console.print(plan_view(result))
         if verified:
             console.print(verify_view(verified))
@@ -477,7 +474,7 @@ def _doctor_oom_plan(args, parsed: dict) -> None:
     from memfit.memory.estimate import estimate
     from memfit.planner.costmodel import step_time_caveat
     from memfit.planner.search import plan
-    from memfit.units import fmt_bytes
+    from memfit.units import fmt_bytes, fmt_seconds
 
     if not args.device:
         raise ConfigError("with a workload, --oom needs the GPU: --device h100 (a100-80gb, rtx-4090, ...)")
@@ -499,8 +496,8 @@ def _doctor_oom_plan(args, parsed: dict) -> None:
         return
     caveat = step_time_caveat(best.profile_source)
     print(f"fastest configuration that fits {fmt_bytes(budget)}: {best.config.describe()} — peak "
-          f"{fmt_bytes(best.peak_bytes)}, {best.step_seconds:.3g} s a step{f' ({caveat})' if caveat else ''} "
-          "(`memfit plan` explains the choice)")
+          f"{fmt_bytes(best.peak_bytes)}, {fmt_seconds(best.step_seconds)} a step"
+          f"{f' ({caveat})' if caveat else ''} (`memfit plan` explains the choice)")
 
 
 def cmd_list(args) -> int:

@@ -1,4 +1,4 @@
-"""Byte sizes as people write them ("24GiB", "80GB", 1234) and as memfit prints them."""
+"""Byte sizes as people write them ("24GiB", "80GB", 1234) and as memfit prints them; step times as it prints them."""
 from __future__ import annotations
 
 import math
@@ -54,3 +54,12 @@ def fmt_number(x: float, digits: int = 3) -> str:
         decimals -= 1
     text = f"{x:,.{max(decimals, 0)}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def fmt_seconds(seconds: float, largest: float | None = None) -> str:
+    """Three significant figures, whole units never rounded away, in the unit of `largest` (default: `seconds`
+    itself): seconds from 1 s on, milliseconds below. The step times of one output pass the same `largest`, so
+    a reader never compares "8744.1 ms" with "34.6 s"."""
+    in_seconds = (seconds if largest is None else largest) >= 0.9995  # 999.96 ms reads "1 s", not "1,000 ms"
+    value, unit = (seconds, "s") if in_seconds else (seconds * 1e3, "ms")
+    return f"{fmt_number(value, max(3, len(str(int(abs(value))))))} {unit}"

@@ -1,5 +1,10 @@
-"""Rich renderings of estimates and summaries. Pure functions of the data: no tracing happens here."""
+"""Rich renderings of estimates and summaries. Pure functions of the data: no tracing happens here.
+
+Every table fits a terminal of 80 columns or more without an ellipsis: figures (bytes, times, counts,
+shapes) never wrap, and the text columns beside them wrap at words, long names folded, to make the room."""
 from __future__ import annotations
+
+import re
 
 from rich.console import Group
 from rich.table import Table
@@ -7,7 +12,7 @@ from rich.text import Text
 
 from memfit.memory.estimate import CATEGORIES, Estimate
 from memfit.config import Config
-from memfit.units import fmt_bytes, fmt_number
+from memfit.units import fmt_bytes, fmt_number, fmt_seconds
 
 _CATEGORY_TITLES = {
     "parameters": "parameters & buffers", "gradients": "gradients", "optimizer_state": "optimizer state",
@@ -24,6 +29,17 @@ def _config_line(cfg: dict) -> str:
     return Config.from_dict(cfg).describe()
 
 
+def _text(table: Table, name: str, **kw) -> None:
+    """A column of words: wraps, and folds a name longer than the column rather than cutting it."""
+    table.add_column(name, overflow="fold", **kw)
+
+
+def _figures(table: Table, *names: str) -> None:
+    """Columns of figures: never wrapped or cut; the text columns give way."""
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True)
+
+
 def estimate_view(est: Estimate) -> Group:
     head = Text.assemble(
         ("memfit estimate", "bold"), f"  {est.workload} · {_config_line(est.config)} · {est.device}\n",
@@ -31,9 +47,8 @@ def estimate_view(est: Estimate) -> Group:
         f" of live tensors, reached in the {est.peak_phase} phase — {_METHODS[est.method]}",
     )
     cats = Table(title="at the peak", title_justify="left", show_edge=False)
-    cats.add_column("category")
-    cats.add_column("bytes", justify="right")
-    cats.add_column("share", justify="right")
+    _text(cats, "category")
+    _figures(cats, "bytes", "share")
     for c in CATEGORIES:
         n = est.breakdown[c]
         cats.add_row(_CATEGORY_TITLES[c], fmt_bytes(n), f"{100 * n / max(est.peak_bytes, 1):.1f}%")
@@ -41,8 +56,8 @@ def estimate_view(est: Estimate) -> Group:
     parts = [head, cats]
     if est.peak_allocated_bytes is not None:
         dev = Table(title=f"on {est.device}", title_justify="left", show_edge=False)
-        dev.add_column("what")
-        dev.add_column("bytes", justify="right")
+        _text(dev, "what")
+        _figures(dev, "bytes")
         dev.add_row("max_memory_allocated (allocator rounding)", fmt_bytes(est.peak_allocated_bytes))
         dev.add_row("max_memory_reserved (caching allocator)", fmt_bytes(est.peak_reserved_bytes))
         dev.add_row("device use as nvidia-smi shows it", fmt_bytes(est.device_peak_bytes))
@@ -56,15 +71,19 @@ def estimate_view(est: Estimate) -> Group:
     if est.routing and est.routing["assumption"] != "invariant":  # invariant: the notes say so
         parts.append(_routing_view(est))
     if est.modules:
-        mods = Table(title="activations + temporaries at the peak, by module", title_justify="left", show_edge=False)
-        mods.add_column("module")
-        mods.add_column("bytes", justify="right")
+        title = "activations + temporaries at the peak, by module"
+        mods = Table(title=title, title_justify="left", show_edge=False, min_width=len(title))  # title on one line
+        _text(mods, "module")
+        _figures(mods, "bytes")
         for name, n in est.modules[:8]:
             mods.add_row(name, fmt_bytes(n))
         parts.append(mods)
     big = Table(title="largest tensors at the peak", title_justify="left", show_edge=False)
-    for col in ("bytes", "category", "shape", "dtype", "made by", "in module"):
-        big.add_column(col, justify="right" if col == "bytes" else "left")
+    _figures(big, "bytes")
+    for col in ("category", "shape", "dtype"):  # one word each
+        big.add_column(col, no_wrap=True)
+    for col in ("made by", "in module"):
+        _text(big, col)
     for t in est.top_tensors[:6]:
         big.add_row(fmt_bytes(t["bytes"]), t["category"], "×".join(map(str, t["shape"])) or "scalar",
                     t["dtype"], t["op"], t["module"] or "-")
@@ -82,10 +101,8 @@ def _routing_view(est: Estimate) -> Table:
     """An MoE's peak under the routing it was estimated with, and its bound (memory/routing.py)."""
     r = est.routing
     table = Table(title=f"MoE routing ({r['routers']}) decides tensor sizes", title_justify="left", show_edge=False)
-    table.add_column("routing")
-    table.add_column("peak", justify="right")
-    if est.device_peak_bytes is not None:
-        table.add_column("device use (nvidia-smi)", justify="right")
+    _text(table, "routing")
+    _figures(table, "peak", *(["device use\n(nvidia-smi)"] if est.device_peak_bytes is not None else []))
     rows = [("balanced (the estimate)", est.peak_bytes, est.device_peak_bytes)]
     if r.get("bound_peak_bytes") is not None:
         rows.append((f"bound: {_BOUND_ROUTINGS[r['bound_routing']]}", r["bound_peak_bytes"],
@@ -97,9 +114,9 @@ def _routing_view(est: Estimate) -> Table:
 
 def summary_view(title: str, rows, note: str | None = None) -> Table:
     table = Table(title=f"memfit summary — {title}", title_justify="left")
-    table.add_column("module (type)", no_wrap=True)
-    for col in ("output shape", "params", "saved for backward", "forward FLOPs"):
-        table.add_column(col, justify="left" if col == "output shape" else "right", no_wrap=True)
+    _text(table, "module (type)")
+    table.add_column("output\nshape", no_wrap=True)
+    _figures(table, "params", "saved for\nbackward", "forward\nFLOPs")  # two-line headers: room for the names
     for r in rows:
         table.add_row(f"{r.name} ({r.kind})" if r.name != r.kind else r.name, r.output_shape, f"{r.parameters:,}",
                       fmt_bytes(r.saved_bytes) if r.saved_bytes else "-", _fmt_flops(r.flops))
@@ -117,35 +134,76 @@ def _fmt_flops(n: int) -> str:
     return f"{n} FLOP" if n else "-"
 
 
-def _fmt_seconds(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
-
-
 def plan_view(plan) -> Group:
     cfg = plan.config
+    largest = max([plan.step_seconds] + [c.step_seconds for c in plan.alternatives])  # one unit for all of them
     head = Text.assemble(
-        ("memfit plan", "bold"), f"  {plan.estimate.workload} · global batch {cfg.global_batch} · {plan.device}"
-                                 f" · budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
+        ("memfit plan", "bold"), f"  {plan.estimate.workload} · global batch {cfg.global_batch} · {plan.device}\n"
+                                 f"budget {fmt_bytes(plan.budget_bytes)} (usable {fmt_bytes(plan.usable_bytes)})\n",
         ("chosen: ", "bold"), (cfg.describe(), "bold cyan"),
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
-        f" · step {_fmt_seconds(plan.step_seconds)} · {fmt_number(plan.samples_per_second)} samples/s",
+        f" · step {fmt_seconds(plan.step_seconds, largest)} · {fmt_number(plan.samples_per_second)} samples/s",
         f"\nhost memory for offloading: {fmt_bytes(plan.estimate.host_peak_bytes)}"
         if plan.estimate is not None and plan.estimate.host_peak_bytes else "",
     )
     alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
-    for col in ("configuration", "peak", "step", "vs chosen"):
-        alts.add_column(col, justify="left" if col == "configuration" else "right")
+    _text(alts, "configuration")
+    _figures(alts, "peak", "step", "vs chosen")
     for c in plan.alternatives:
-        alts.add_row(c.config.describe() + ("" if c.confirmed else " *"), fmt_bytes(c.peak_bytes),
-                     _fmt_seconds(c.step_seconds), f"{c.step_seconds / plan.step_seconds:.2f}x")
+        alts.add_row(c.config.describe(), fmt_bytes(c.peak_bytes) + ("" if c.confirmed else " *"),
+                     fmt_seconds(c.step_seconds, largest), f"{c.step_seconds / plan.step_seconds:.2f}x")
     fams = Table(title="by family", title_justify="left", show_edge=False)
-    fams.add_column("family")
-    fams.add_column("verdict")
-    for fam, verdict in plan.families:
-        fams.add_row(fam, verdict)
+    _text(fams, "family")
+    _text(fams, "verdict")
+    rows = family_rows(plan.families)
+    for row in rows:
+        fams.add_row(*row)
     parts = [head, alts, Text("* predicted from probes, not confirmed by a full estimate", style="dim"), fams]
+    if len(rows) < len(plan.families):
+        parts.append(Text("each family's own verdict: the same command with --json (families)", style="dim"))
     parts += [Text(f"note: {n}", style="dim") for n in plan.notes + [f"step times: {plan.profile_source}"]]
     return Group(*parts)
+
+
+FITTING_ROWS = 5  # families that fit shown one by one, fastest first; the slower ones share a row
+_FIGURE = re.compile(r"\d[\d,]*(?:\.\d+)?(?: ?(?:[KMGTPE]i?B|B)\b|x\b)?")
+_SLOWER = re.compile(r"^fits, ([\d.]+)x slower")
+
+
+def family_rows(families: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`Plan.families` as a reader takes it in: the chosen family, then the fastest that fit, each on its own
+    row, then one row for the slower ones that fit and one per reason the rest do not (the figures in the
+    reason as ranges). A search with offload, checkpointing and the optimizer in backward judges some 25
+    families; `--json` keeps every one's own verdict."""
+    chosen = [(f, v) for f, v in families if v.startswith("chosen")]
+    fitting = sorted(((f, v) for f, v in families if _SLOWER.match(v)), key=lambda fv: float(_SLOWER.match(fv[1])[1]))
+    rows = chosen + fitting[:FITTING_ROWS]
+    if fitting[FITTING_ROWS:]:
+        rows.append(_grouped(fitting[FITTING_ROWS:], more=True))
+    reasons: dict[str, list] = {}
+    for f, v in families:
+        if not v.startswith("chosen") and not _SLOWER.match(v):
+            reasons.setdefault(_FIGURE.sub("#", v), []).append((f, v))
+    rows += [_grouped(group) if len(group) > 1 else group[0] for group in reasons.values()]
+    return rows
+
+
+def _grouped(group: list[tuple[str, str]], more: bool = False) -> tuple[str, str]:
+    """One row for families with one verdict but for its figures: what their names share, and each figure
+    of the verdict as the range it takes across them."""
+    names = [f.split(", ") for f, _ in group]
+    common = [part for part in names[0] if all(part in n for n in names[1:])]
+    label = f"{len(group)} {'more ' if more else ''}families" + (f": {', '.join(common)}" if common else "")
+    slots = list(zip(*(_FIGURE.findall(v) for _, v in group)))
+    ranges = [(min(slot, key=_magnitude), max(slot, key=_magnitude)) for slot in slots]
+    spans = iter(lo if lo == hi else f"{lo} to {hi}" for lo, hi in ranges)
+    return label, _FIGURE.sub(lambda m: next(spans), group[0][1])
+
+
+def _magnitude(figure: str) -> float:
+    """A verdict's figure as a number to order by: bytes in bytes, a factor or a count as itself."""
+    number, unit = re.match(r"([\d.]+)x? ?(\w*)", figure.replace(",", "")).groups()
+    return float(number) * (1024 ** ("KMGTPE".index(unit[0]) + 1) if unit.endswith("iB") else 1)
 
 
 def counts_view(rows: list[dict], workload: str, global_batch: int, device: str) -> Group:
@@ -155,16 +213,19 @@ def counts_view(rows: list[dict], workload: str, global_batch: int, device: str)
                          ("fewest GPUs that fit: ", "bold"),
                          (str(fits[0]["gpus"]) if fits else "none in this range", "bold cyan"))
     table = Table(show_edge=False)
-    for col in ("GPUs", "fastest configuration", "peak per GPU", "step", "samples/s", "scaling"):
-        table.add_column(col, justify="left" if col == "fastest configuration" else "right")
+    _figures(table, "GPUs")
+    _text(table, "fastest configuration")
+    _figures(table, "peak per GPU", "step", "samples/s", "scaling")
+    largest = max((r["plan"].step_seconds for r in fits), default=0)
     for r in rows:
         p = r["plan"]
         if p is None:
             table.add_row(str(r["gpus"]), Text(r["why"], style="dim"), "", "", "", "")
         else:
-            table.add_row(str(r["gpus"]), p.config.describe(),
-                          fmt_bytes(p.peak_bytes) + (" ✓" if p.confirmed else " ~"), _fmt_seconds(p.step_seconds),
-                          fmt_number(p.samples_per_second), f"{r['efficiency']:.0%}")
+            mark = " ✓" if p.confirmed else " ~"
+            table.add_row(str(r["gpus"]), p.config.describe(), fmt_bytes(p.peak_bytes) + mark,
+                          fmt_seconds(p.step_seconds, largest), fmt_number(p.samples_per_second),
+                          f"{r['efficiency']:.0%}")
     note = Text("✓ a full estimate of that configuration; ~ predicted from the probes traced at another count. "
                 "scaling: samples/s per GPU against the smallest count that fits; step times from the catalogue's "
                 "compute and link figures (not measured on this hardware)", style="dim")
@@ -173,12 +234,13 @@ def counts_view(rows: list[dict], workload: str, global_batch: int, device: str)
 
 def verify_view(v: dict) -> Table:
     table = Table(title="verified: predicted vs measured", title_justify="left")
-    for col in ("", "predicted", "measured", "error"):
-        table.add_column(col, justify="right" if col else "left")
+    _text(table, "")
+    _figures(table, "predicted", "measured", "error")
     pm, mm = v["predicted_peak_bytes"], v["measured_peak_bytes"]
     ps, ms = v["predicted_step_seconds"], v["measured_step_seconds"]
     table.add_row(f"peak memory ({v['peak_method']})", fmt_bytes(pm), fmt_bytes(mm), f"{100 * (pm / mm - 1):+.1f}%")
-    table.add_row("step time", f"{ps * 1e3:.1f} ms", f"{ms * 1e3:.1f} ms", f"{100 * (ps / ms - 1):+.1f}%")
+    table.add_row("step time", fmt_seconds(ps, max(ps, ms)), fmt_seconds(ms, max(ps, ms)),
+                  f"{100 * (ps / ms - 1):+.1f}%")
     return table
 
 
@@ -197,11 +259,12 @@ def run_view(result) -> Group:
     finished = (result.out / "model.safetensors").exists()
     table = Table(title=f"run {'finished' if finished else 'stopped'} after {result.steps} steps · "
                         f"{_config_line(r['config'])} · {result.out}", title_justify="left")
-    for col in ("", "predicted", "measured"):
-        table.add_column(col, justify="right" if col else "left")
-    fmt_b = lambda v: fmt_bytes(v) if v is not None else "-"  # noqa: E731
-    fmt_s = lambda v: _fmt_seconds(v) if v is not None else "-"  # noqa: E731
+    _text(table, "")
+    _figures(table, "predicted", "measured")
     configs = r.get("configs") or [dict(r, steps=result.steps, first_step=0)]
+    largest = max((c[k] or 0 for c in configs for k in ("predicted_step_seconds", "measured_step_seconds")), default=0)
+    fmt_b = lambda v: fmt_bytes(v) if v is not None else "-"  # noqa: E731
+    fmt_s = lambda v: fmt_seconds(v, largest) if v is not None else "-"  # noqa: E731
     measure = r.get("measured_peak_is", "measured")
     for c in configs:
         at = (f" · {_config_line(c['config'])}, steps {c['first_step']}-{c['first_step'] + c['steps'] - 1}"
