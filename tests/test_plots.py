@@ -4,6 +4,8 @@ import math
 
 import matplotlib.image
 import pytest
+from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 import memfit
 from memfit.errors import RunError
@@ -87,3 +89,73 @@ def test_scaling_png_from_plans_per_count(tmp_path):
     _check_png(plots.plot_scaling(rows, tmp_path / "scaling.png"), *LOSS_PX)
     with pytest.raises(EstimateError, match="no GPU count"):
         plots.plot_scaling(rows[:1], tmp_path / "none.png")
+
+
+def _saved(monkeypatch, draw) -> Figure:
+    """The figure `draw()` saves, as it was when saved (its layout final)."""
+    saved, real = [], Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return real(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    draw()
+    return saved[-1]
+
+
+def _titles(fig: Figure):
+    """Each axes' title Texts that have text (left, centre, right)."""
+    return [t for ax in fig.axes for t in ax.get_children()
+            if isinstance(t, Text) and t.get_text() and t.get_text() in {ax.get_title(loc) for loc in
+                                                                         ("left", "center", "right")}]
+
+
+def test_long_titles_are_wrapped_inside_the_figure(est, tmp_path, monkeypatch):
+    run_title = ("examples/my_project/train_job.py:workload: memory of one step at micro-batch 16 x 4, bf16, "
+                 "activation checkpointing 1 block in 4, optimizer offload, loss in 8 chunks (predicted)")
+    loss_title = run_title.replace("memory of one step", "training loss")
+    long_name = "examples/job.py:" + "w" * 90  # one word wider than the figure
+    charts = [(lambda: plots.plot_memory_timeline(est, tmp_path / "m.png", title=run_title), run_title),
+              (lambda: plots.plot_loss([{"step": i, "loss": 1 / (i + 1)} for i in range(9)], tmp_path / "l.png",
+                                       title=loss_title), loss_title),
+              (lambda: plots.plot_memory_timeline(dataclasses.replace(est, workload=long_name), tmp_path / "d.png"),
+               None)]
+    for draw, given in charts:
+        fig = _saved(monkeypatch, draw)
+        [title] = _titles(fig)
+        box = title.get_window_extent(fig.canvas.get_renderer())
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, title.get_text()
+        assert "\n" in title.get_text()  # wrapped, not shrunk or cut: every word still there
+        if given:
+            assert " ".join(title.get_text().split()) == given  # broken at spaces only
+        else:
+            assert long_name in title.get_text().replace("\n", "")
+
+
+def test_phase_names_never_overlap_at_16_micro_batches(tmp_path, monkeypatch):
+    est = memfit.estimate(builtin("gpt-tiny"), memfit.Config(micro_batch=1, grad_accum=16))
+    fig = _saved(monkeypatch, lambda: plots.plot_memory_timeline(est, tmp_path / "acc.png"))
+    renderer = fig.canvas.get_renderer()
+    [ax] = [a for a in fig.axes if a.texts]
+    names = [t for t in ax.texts if t.get_style() == "italic"]
+    boxes = [t.get_window_extent(renderer) for t in names]
+    assert names and not [(a.get_text(), b.get_text()) for i, (a, box) in enumerate(zip(names, boxes))
+                          for b, other in zip(names[i + 1:], boxes[i + 1:]) if box.overlaps(other)]
+    assert all(ax.bbox.x0 <= box.x0 and box.x1 <= ax.bbox.x1 for box in boxes)
+    # the 16 micro-batches named once together, not a name per forward and backward
+    assert "forward and backward of 16 micro-batches" in [t.get_text() for t in names]
+
+
+def test_the_title_says_how_many_micro_batches_the_timeline_draws(tmp_path, monkeypatch):
+    """The planner (and so `memfit train`'s memory.png) traces a long accumulation as its first two
+    micro-batches: a chart titled "micro-batch 1 x 4" draws two forward and backward passes."""
+    from memfit.memory.devices import get_device
+    from memfit.planner.search import full_probe
+
+    traced = full_probe(builtin("gpt-tiny"), memfit.Config(micro_batch=1, grad_accum=4), get_device("cpu")).estimate
+    fig = _saved(monkeypatch, lambda: plots.plot_memory_timeline(
+        traced, tmp_path / "memory.png", title="gpt-tiny: memory of one step at micro-batch 1 x 4, fp32 (predicted)"))
+    assert "2 of its 4 micro-batches drawn" in _titles(fig)[0].get_text()
+    [ax] = [a for a in fig.axes if a.texts]
+    assert [t.get_text() for t in ax.texts if t.get_style() == "italic"].count("forward") == 2

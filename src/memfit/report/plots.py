@@ -53,11 +53,59 @@ def _new_figure(size=SIZE) -> Figure:
 
 
 def _save(fig: Figure, path) -> Path:
+    _lay_out(fig)
+    return _write(fig, path)
+
+
+def _write(fig: Figure, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI, format="png")  # no bbox_inches="tight": the pixel size stays SIZE x DPI
     return path
+
+
+def _lay_out(fig: Figure) -> None:
+    """tight_layout, with each title wrapped at words to the room it has: a long workload name or
+    configuration would otherwise run off the figure's right edge (the pixel size is fixed)."""
+    fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    wrapped = False
+    for ax in fig.axes:
+        for loc in ("left", "center", "right"):
+            text = ax.get_title(loc)
+            if not text:
+                continue
+            title = ax.set_title(text, loc=loc)  # (the title's Text, as it was)
+            box, right = title.get_window_extent(renderer), fig.bbox.x1 - 8
+            room = {"left": right - box.x0, "right": box.x1 - 8,
+                    "center": 2 * min((box.x0 + box.x1) / 2 - 8, right - (box.x0 + box.x1) / 2)}[loc]
+            font = title.get_fontproperties()
+            lines = _wrap(text, room, lambda s: renderer.get_text_width_height_descent(s, font, ismath=False)[0])
+            if lines != text:
+                title.set_text(lines)
+                wrapped = True
+    if wrapped:  # more lines: more room above the axes
+        fig.tight_layout()
+
+
+def _wrap(text: str, room: float, width) -> str:
+    """`text` with its lines broken at spaces where they are wider than `room` (`width` measures a line), and
+    a word wider than that on its own (a long path) broken where it reaches it."""
+    out = []
+    for line in text.split("\n"):
+        current = ""
+        for word in line.split(" "):
+            tried = f"{current} {word}" if current else word
+            if current and width(tried) > room:
+                out.append(current)
+                tried = word
+            while width(tried) > room and len(tried) > 1:
+                cut = max(i for i in range(1, len(tried)) if i == 1 or width(tried[:i]) <= room)
+                out.append(tried[:cut])
+                tried = tried[cut:]
+            current = tried
+        out.append(current)
+    return "\n".join(out)
 
 
 def _phase_spans(index: Sequence[int], phases: Sequence[str]) -> list[tuple[str, int, int]]:
@@ -121,14 +169,12 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
         ymax = top / scale * 1.18
         ax.set_ylim(0, ymax)
 
-        # phases: shaded spans, a dashed line where each starts, the name on top
-        for k, (ph, a, b) in enumerate(_phase_spans(x, tl["phase"])):
+        # phases: shaded spans, a dashed line where each starts (the names once the layout is final)
+        spans = _phase_spans(x, tl["phase"])
+        for k, (ph, a, b) in enumerate(spans):
             ax.axvspan(a, b, color=PHASE_SHADES.get(ph, "#f5f5f5"), zorder=-2, linewidth=0)
             if k:
                 ax.axvline(a, color="#555555", linestyle="--", linewidth=0.9, zorder=3)
-            if (b - a) >= 0.04 * (x[-1] - x[0] or 1):  # room for the name
-                ax.text((a + b) / 2, ymax * 0.985, ph, ha="center", va="top", fontsize=10.5,
-                        color="#333333", style="italic", zorder=4)
 
         # the peak
         px = x[peak_i]
@@ -176,17 +222,65 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
         ax.set_axisbelow(True)
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
+        config = Config.from_dict(estimate.config)
         if title is None:
-            described = Config.from_dict(estimate.config).describe()
-            title = f"Memory over one training step — {estimate.workload} · {described} · {estimate.device}"
+            title = f"Memory over one training step — {estimate.workload} · {config.describe()} · {estimate.device}"
             if estimate.method != "fake":  # the timeline is of a real CPU step at a micro-batch that may differ
                 title += f"\n(timeline of a real CPU step; peak {estimate.method})"
+        drawn = sum(ph == "forward" for ph, _, _ in spans)
+        if 0 < drawn < config.grad_accum:  # a long accumulation is traced as its first micro-batches (planner)
+            title += (f"\n{drawn} of its {config.grad_accum} micro-batches drawn; the other "
+                      f"{config.grad_accum - drawn} repeat the last one drawn")
         ax.set_title(title, loc="left")
         # legend outside the plot, on the right, top-down in stacking order (as the areas appear)
         handles, labels = ax.get_legend_handles_labels()
         ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
                   title="category", title_fontsize=10)
-        return _save(fig, path)
+        _lay_out(fig)
+        _name_phases(ax, spans, ymax * 0.985)
+        return _write(fig, path)
+
+
+def _name_phases(ax, spans: list[tuple[str, int, int]], y: float) -> None:
+    """Each phase's name on top of its span. A micro-batch's forward and backward are named inside their
+    spans, or, where one is too narrow for its name (many micro-batches), all of them by one name instead;
+    setup and the optimizer may reach past a narrow span but not over another name or out of the axes.
+    Names never overlap. Needs the final layout (it measures in pixels)."""
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    placed = []
+
+    def name(text: str, a: float, b: float, inside: bool):
+        label = ax.text((a + b) / 2, y, text, ha="center", va="top", fontsize=10.5, color="#333333",
+                        style="italic", zorder=4)
+        box = label.get_window_extent(renderer)
+        left, right = ax.transData.transform([(a, y), (b, y)])[:, 0]
+        if not inside and (box.x0 < frame.x0 or box.x1 > frame.x1):  # at an end of the chart: flush with it
+            if box.x0 < frame.x0:
+                label.set(x=a, ha="left")
+            else:
+                label.set(x=b, ha="right")
+            box = label.get_window_extent(renderer)
+        fits = (left + 3 <= box.x0 and box.x1 <= right - 3) if inside else (
+            box.width <= 2 * (right - left) and frame.x0 <= box.x0 and box.x1 <= frame.x1
+            and not any(box.overlaps(other) for other in placed))
+        if not fits:
+            label.remove()
+            return None
+        placed.append(box)
+        return label
+
+    passes = [(ph, a, b) for ph, a, b in spans if ph in ("forward", "backward")]
+    named = [name(ph, a, b, inside=True) for ph, a, b in passes]
+    if None in named:
+        for label in filter(None, named):
+            label.remove()
+        placed.clear()
+        micro = sum(ph == "forward" for ph, _, _ in passes)
+        name(f"forward and backward of {micro} micro-batches", passes[0][1], passes[-1][2], inside=True)
+    for ph, a, b in spans:
+        if ph not in ("forward", "backward"):
+            name(ph, a, b, inside=False)
 
 
 def _leading_digit(v: float) -> int:
