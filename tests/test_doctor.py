@@ -1,11 +1,13 @@
 """memfit doctor and the HTML timeline (issue 13): the page's data adds up to the estimate's peak, activations
 by block add up to the activations category, a leak is found and named by its line, and built-in workloads
 raise no false alarm."""
+import html
 import inspect
 import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,6 +53,69 @@ def test_the_html_timeline_runs_in_headless_chromium(tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     # the page's script read its own data and wrote the peak it found
     assert f'data-bytes="{est.peak_bytes}">The chart\'s data at the peak adds up to {est.peak_bytes} bytes' in dom
+
+
+def _live_at_peak(page) -> list[dict]:
+    """The page's table of the tensors live at the peak: a dict per row, keyed by the table's headers."""
+    table = page.read_text(encoding="utf-8").split("<table>")[1].split("</table>")[0]
+    rows = [[html.unescape(re.sub(r"<.*?>", "", cell)) for cell in re.findall(r"<t[hd]>(.*?)</t[hd]>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", table)]
+    return [dict(zip(rows[0], row)) for row in rows[1:]]
+
+
+class TwoLayers(torch.nn.Module):
+    """A custom model whose forward makes each activation it keeps on a line of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 256), torch.nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        gate = torch.sigmoid(h)
+        return self.fc2(h * gate)
+
+
+def test_allocated_at_is_each_tensors_own_line_of_a_custom_model(tmp_path):
+    wl = memfit.Workload(model=TwoLayers, batch=lambda n: (torch.randn(n, 32), torch.randn(n, 8)),
+                         loss=lambda model, b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+    est = memfit.estimate(wl, memfit.Config(micro_batch=64))
+    rows = _live_at_peak(write_timeline_html(est, tmp_path / "t.html"))
+    code, first = inspect.getsourcelines(TwoLayers.forward)
+    line = {op: first + next(i for i, text in enumerate(code) if statement in text)
+            for op, statement in (("addmm", "h = self.fc1(x)"), ("sigmoid", "gate = torch.sigmoid(h)"))}
+    # the two activations live at the peak (in backward), each at its own line
+    made = {row["op"].split(".")[0]: row["allocated at"] for row in rows if row["category"] == "activations"}
+    assert {op: where.rpartition("/")[2] for op, where in made.items()} == {
+        op: f"test_doctor.py:{n} in forward" for op, n in line.items()}
+    # what no line of the model allocated says who did: the weights and optimizer state, autograd
+    assert all(row["allocated at"] not in ("", "—") for row in rows)
+    assert {row["allocated at"] for row in rows if row["category"] == "parameters"} == {
+        "before the step: the model's weights, made as it was built"}
+    assert "autograd, in backward (no line of the model's own)" in {row["allocated at"] for row in rows}
+
+
+def test_allocated_at_is_transformers_own_line_where_site_packages_is_inside_the_standard_library(tmp_path):
+    """conda, pyenv and the python images install packages inside the standard library's folder
+    (lib/python3.X/site-packages): transformers' modeling code there is the model's code all the same, not
+    Python's library. The layout is made so for a child process."""
+    child = f"""
+import os, sysconfig
+paths = sysconfig.get_paths
+library = os.path.dirname(paths()["purelib"])  # lib/python3.X, site-packages inside it
+sysconfig.get_paths = lambda *args, **kwargs: dict(paths(*args, **kwargs), stdlib=library)
+import memfit
+from memfit.report.html import write_timeline_html
+from memfit.workloads import load_workload
+est = memfit.estimate(load_workload("hf:llama"), memfit.Config(micro_batch=2))
+write_timeline_html(est, {str(tmp_path / "t.html")!r})
+"""
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=600)
+    rows = _live_at_peak(tmp_path / "t.html")
+    made = [row["allocated at"] for row in rows if row["category"] == "activations"]
+    assert sum(bool(re.fullmatch(r"transformers/models/llama/modeling_llama\.py:\d+ in \w+", m)) for m in made) >= 2
+    assert len(set(made)) > 1  # not one line of the loss for every tensor
+    assert all(row["allocated at"] not in ("", "—") for row in rows)
 
 
 def _leaky_loss(model, batch):

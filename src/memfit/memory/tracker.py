@@ -93,9 +93,9 @@ class StorageInfo:
 
 
 # Frames that are the machinery, not the model: torch, Python's own library, and memfit outside its workloads.
-_MEMFIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MACHINERY = tuple(os.path.join(d, "") for d in {os.path.dirname(os.path.abspath(torch.__file__)),
-                                                  sysconfig.get_paths()["stdlib"]})
+_MEMFIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+_TORCH = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 _STEP = os.path.join(_MEMFIT, "step.py")  # where a search for the model's line ends
 
 
@@ -105,10 +105,15 @@ _WORKLOADS = os.path.join(_MEMFIT, "workloads", "")
 @functools.cache  # asked for every frame of every allocation's stack
 def machinery(filename: str) -> bool:
     """Whether code in `filename` is the machinery (torch, the standard library, memfit's engine), not the
-    workload's (its model, loss, batch; memfit's built-in workloads included)."""
-    if filename.startswith(_MACHINERY) or filename.startswith("<"):
+    workload's (its model, loss, batch; memfit's built-in workloads included). Packages installed inside the
+    standard library's folder, where conda, pyenv and the python images keep site-packages, are not the
+    standard library: transformers' modeling files and the user's own packages are the model's code."""
+    if filename.startswith(("<", _TORCH)):
         return True
-    return filename.startswith(_MEMFIT) and not filename.startswith(_WORKLOADS)
+    if filename.startswith(_MEMFIT):
+        return not filename.startswith(_WORKLOADS)
+    return filename.startswith(_STDLIB) and filename[len(_STDLIB):].split(os.sep)[0] not in ("site-packages",
+                                                                                            "dist-packages")
 
 
 def source_line() -> str:

@@ -163,9 +163,24 @@ def _layer_key(t: dict, groups: dict) -> str:
 
 def _describe(t: dict) -> str:
     shape = "×".join(map(str, t["shape"])) or "scalar"
-    where = t.get("source") or "made by autograd or the optimizer (no line of the model's own)"
     return (f"{fmt_bytes(t['bytes'])} · {t['category']} · [{shape}] {t['dtype']} · module {t['module']} · "
-            f"op {t['op']} · {where}")
+            f"op {t['op']} · {t.get('source') or _made_by(t)}")
+
+
+_BEFORE_THE_STEP = {"parameters": "before the step: the model's weights, made as it was built",
+                    "gradients": "before the step: the last step's gradients",
+                    "optimizer_state": "before the step: the optimizer's state, made by its first step",
+                    "inputs": "before the step: the batch"}
+_NO_LINE = {"backward": "autograd, in backward (no line of the model's own)",
+            "optimizer": "the optimizer step (no line of the model's own)"}
+
+
+def _made_by(t: dict) -> str:
+    """Who made a tensor that no line of the model's code allocated: it existed before the step, or autograd's
+    backward or the optimizer made it (their frames are all torch's), or a kernel's workspace."""
+    if t["op"] == "preexisting":
+        return _BEFORE_THE_STEP.get(str(t["category"]), "before the step")
+    return _NO_LINE.get(str(t["phase"]), "torch or memfit, outside the model's code")
 
 
 def _table(est: Estimate) -> str:
@@ -173,9 +188,10 @@ def _table(est: Estimate) -> str:
             "<th>allocated at</th></tr>"]
     for t in est.top_tensors[:TABLE_ROWS]:
         shape = "×".join(map(str, t["shape"])) or "scalar"
+        where = (html.escape(t["source"]) if t.get("source") else
+                 f'<span class="who">{html.escape(_made_by(t))}</span>')
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            fmt_bytes(t["bytes"]), t["category"], t["module"], shape, t["dtype"], t["op"],
-            t.get("source") or "—")) + "</tr>")
+            fmt_bytes(t["bytes"]), t["category"], t["module"], shape, t["dtype"], t["op"])) + f"<td>{where}</td></tr>")
     return "<table>" + "\n".join(rows) + "</table>"
 
 
@@ -190,6 +206,7 @@ h1 { font-size: 20px; margin: 0 0 4px 0; } h2 { font-size: 16px; margin: 22px 0 
 .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: -1px; }
 table { border-collapse: collapse; font-size: 12px; } td, th { padding: 3px 8px; border-bottom: 1px solid #eee;
 text-align: left; } td:first-child { text-align: right; white-space: nowrap; }
+.who { color: #777; font-style: italic; }
 """
 
 _SCRIPT = """
