@@ -6,6 +6,7 @@ from memfit.cli import main
 from memfit.errors import PlanError
 from memfit.memory.estimate import state_split
 from memfit.planner.search import LORA, plan
+from memfit.units import fmt_bytes
 from memfit.workloads import load_workload
 
 
@@ -27,10 +28,12 @@ def test_offloading_is_held_to_the_host_memory_given():
     wl = load_workload("gpt-small", seq=128)
     fixed = dict(device="h100", precision="bf16", activation_checkpoint="all", offload_activations=False,
                  offload_optimizer=True)
-    with pytest.raises(PlanError, match="more host memory than --host-memory") as refused:
+    with pytest.raises(PlanError, match="ruled out by --host-memory 100 MiB") as refused:
         plan(wl, 8, host_memory="100MiB", **fixed)
-    assert "(not traced)" in str(refused.value)  # the state kept on the host is over already: no step traced
+    assert "not traced" in str(refused.value)  # the state kept on the host is over already: no step traced
     p = plan(wl, 8, host_memory="64GiB", **fixed)
+    assert any(n.startswith(f"this plan keeps {fmt_bytes(p.estimate.host_peak_bytes)} of master weights") and
+               "--allow 8bit-optim" in n and "--allow paged-optim" in n for n in p.notes)
     # the fp32 master weights, their gradients and AdamW's two moments: 16 bytes a parameter, the host's floor
     with __import__("torch").device("meta"):
         params = sum(q.numel() for q in wl.model().parameters())
@@ -60,3 +63,22 @@ def test_train_runs_a_saved_plan_as_it_is(tmp_path, capsys):
     assert Config.from_dict(report["config"]) == config
     assert main(["train", "gpt-tiny", "--steps", "2", "--config", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_when_the_host_limit_rules_out_offloading_the_plan_says_so_and_paged_states_fit():
+    """gpt-small on a 1.5 GiB slice of an H100 with 1 GiB of host memory: offloading needs 2 GiB of host memory,
+    every family kept on the GPU is over; the refusal names the host limit and the technique that may fit, and
+    with it allowed the plan is paged 8-bit states with the optimizer step in backward (the gradient buffer
+    and the states both off the GPU: torchtune's single-GPU recipe)."""
+    wl = load_workload("gpt-small", seq=128)
+    limits = dict(device="h100", budget="1.5GiB", host_memory="1GiB")
+    with pytest.raises(PlanError) as refused:
+        plan(wl, 2, **limits)
+    said = str(refused.value)
+    assert "ruled out by --host-memory 1 GiB" in said and "--allow paged-optim may fit" in said
+    p = plan(wl, 2, allow=["paged-optim"], **limits)
+    c = p.config
+    assert c.paged_optimizer and c.optimizer_8bit and c.optimizer_in_backward and p.confirmed
+    assert p.peak_bytes <= p.usable_bytes and p.estimate.host_peak_bytes <= 2**30
+    assert any("traced that way" in v for _, v in p.families)  # over its floor only by its gradient buffer
+    assert any("paged 8-bit optimizer states allowed" in n for n in p.notes)

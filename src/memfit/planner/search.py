@@ -440,13 +440,16 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     bf16_pure_too = precision is None and precisions == ["bf16"] and gpus == 1
     if bf16_pure_too:
         variants += [("bf16-pure", act, opt) for act, opt in offloads]
-    eights = (False, True) if "8bit-optim" in allowed else (False,)
+    paging = "paged-optim" in allowed and gpus == 1 and defaults.search_offload
+    eights = [(False, False)] + [(True, False)] * ("8bit-optim" in allowed) + [(True, True)] * paging
     fours = (False, True) if "qlora" in allowed and adapted else (False,)
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
-                    offload_optimizer=opt, optimizer_8bit=eight, base_4bit=four, loss_chunks=chunks, gpus=gpus,
+                    offload_optimizer=opt, optimizer_8bit=eight, paged_optimizer=paged, base_4bit=four,
+                    loss_chunks=chunks, gpus=gpus,
                     data_parallel=layout, gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
-             for layout in layouts for p, act, opt in variants for ck in checkpoints for eight in eights
+             for layout in layouts for p, act, opt in variants for ck in checkpoints for eight, paged in eights
              for four in fours
+             if not (paged and opt)  # paged states are the host's already
              # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
              for chunks in ((1, LOSS_CHUNKS) if ck == "all" else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
@@ -455,6 +458,13 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
                      "instead of 8")
+    if "paged-optim" in allowed and paging:
+        notes.append("paged 8-bit optimizer states allowed (they change the math as 8-bit states do): the moments in "
+                     "host memory, each parameter's paged to the GPU for its own update (bitsandbytes' paged 8-bit "
+                     "AdamW when the GPU is short of memory)")
+    elif "paged-optim" in allowed:
+        notes.append("paged optimizer states not searched: " + ("they are built for one GPU" if gpus > 1 else
+                                                                "on a CPU device host and device memory are one"))
     if "qlora" in allowed and adapted:
         notes.append("4-bit base weights allowed (they change the math): the frozen Linear layers in NF4 with double "
                      "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight")
@@ -480,8 +490,22 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             notes.append("bf16-pure searched (bf16 autocast's weights, gradients and optimizer state do not fit): "
                          "bf16 weights and gradients on the GPU; with optimizer offload, fp32 master weights and "
                          "optimizer state on the host (bf16 compute, fp32 update), without it no fp32 copy at all")
+    # a family over its floor for its gradient buffer may fit with the optimizer step in backward, which keeps
+    # none (one micro-batch a step): its own floor decides, and it is traced in the family's place
+    in_backward = {b: b.replace(optimizer_in_backward=True) for b in bases if floors.get(_state_key(b), 0) > usable
+                   and _may_step_in_backward(b, workload, micro_batch, per_rank)}
+    if in_backward:
+        floors, host_floors = _more_floors(workload, list(in_backward.values()), dev, floors, host_floors)
+    host_need: dict[str, int] = {}  # families over --host-memory: the host memory each needs
     for b in list(bases):
         floor = floors.get(_state_key(b), 0)
+        alt = in_backward.get(b)
+        if floor > usable and alt is not None and floors.get(_state_key(alt), floor) <= usable:
+            verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
+                                              f"{fmt_bytes(floor)}; with the optimizer step in backward (no gradient "
+                                              f"buffer) {fmt_bytes(floors[_state_key(alt)])}: traced that way"))
+            bases[bases.index(b)] = b = alt
+            floor = floors[_state_key(alt)]
         if floor > usable:
             bases.remove(b)
             smallest_need[_family_name(b)] = floor
@@ -491,6 +515,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         host_floor = host_floors.get(_state_key(b), 0)
         if host_bytes is not None and not cpu and host_floor > host_bytes:
             bases.remove(b)
+            host_need[_family_name(b)] = host_floor
             verdicts.append((_family_name(b), f"does not fit the host: offloading keeps {fmt_bytes(host_floor)} of "
                                               f"weights, gradients and optimizer state there, over --host-memory by "
                                               f"{fmt_bytes(host_floor - host_bytes)} (not traced)"))
@@ -527,7 +552,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # their forward pass alone is over the budget there: it is the same pass with or without the optimizer
     # in backward, so its peak is a floor under that family's.
     accumulating = [(b, fam) for b, fam in families.items()
-                    if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16")
+                    if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16" or b.optimizer_in_backward)
                     and micro_batch in (None, per_rank) and per_rank >= fam.sizes[0]
                     and fam.memory(per_rank, 1, cpu) > usable]
     if accumulating and workload.max_grad_norm is not None:
@@ -573,6 +598,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         name = _family_name(base)
         if host_bytes is not None and not cpu and fam.host() > host_bytes:
             del families[base]
+            host_need[name] = fam.host()
             verdicts.append((name, f"does not fit the host: offloading needs {fmt_bytes(fam.host())} of host "
                                    f"memory, over --host-memory by {fmt_bytes(fam.host() - host_bytes)}"))
             continue
@@ -617,6 +643,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             host = value.estimate.host_peak_bytes or 0
             if host_bytes is not None and host > host_bytes:
                 candidates.remove(cand)
+                host_need[label] = host
                 verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(host)} of host"))
             elif cand.peak_bytes <= usable:
                 confirmed.append(cand)
@@ -629,18 +656,25 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
         raise raised[0]
     if not confirmed:
-        over_host = [v for _, v in verdicts if "of host" in v or v.startswith("does not fit the host")]
-        if not smallest_need and over_host:
-            hint = f"every family that fits the GPU needs more host memory than --host-memory ({over_host[0]})"
-        elif not smallest_need:
-            hint = "no family could be traced"
-        else:
+        hints = []
+        if smallest_need:
             name = min(smallest_need, key=smallest_need.get)
             traced_need = any(_family_name(b) == name for b in families)  # else only its state floor is known
-            hint = (f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
-                    f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
+            hints.append(f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
+                         f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
+        elif not host_need:
+            hints.append("no family could be traced")
+        if host_need:
+            untraced = all(_family_name(b) not in host_need for b in families)  # ruled out by state floors alone
+            hints.append(f"{len(host_need)} {'family' if len(host_need) == 1 else 'families'} that offload to the host "
+                         f"were ruled out by --host-memory {fmt_bytes(host_bytes)} (the least needs "
+                         f"{fmt_bytes(min(host_need.values()))} of host memory{'; not traced' if untraced else ''})")
+        if not cpu:
+            lean = Config(precision="bf16-pure" if bf16_pure_too else precisions[0], offload_optimizer=bool(
+                offload_optimizer), gpus=gpus, data_parallel="fsdp" if gpus > 1 else "none")
+            hints += _untried(workload, allowed, adapted, dev, usable, host_bytes, lean, micro_batch, per_rank)
         raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
-                        f"{global_batch}: {hint}")
+                        f"{global_batch}: {'; '.join(hints)}")
     best = confirmed[0]
     for base in families:
         name = _family_name(base)
@@ -657,6 +691,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                                    f"(best at micro-batch {fastest.config.micro_batch})"))
     if not any(v.startswith("chosen") for _, v in verdicts):
         verdicts.insert(0, (_family_name(best.config), f"chosen at micro-batch {best.config.micro_batch}"))
+    if best.config.offload_optimizer and not {"8bit-optim", "paged-optim"} & allowed:
+        host = f"{fmt_bytes(best.estimate.host_peak_bytes)} of " if best.estimate is not None else ""
+        notes.append(f"this plan keeps {host}master weights, gradients and optimizer state in host "
+                     "memory; not searched, as they change the math: --allow 8bit-optim (Adam's moments in 2 bytes a "
+                     "parameter instead of 8, which may fit on the GPU without offloading) and --allow paged-optim "
+                     "(those moments in host memory, paged to the GPU one parameter at a time)")
     alternatives = [c for c in candidates if c is not best][:5]
     return Plan(config=best.config, device=dev.name, budget_bytes=budget_bytes, usable_bytes=usable,
                 peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
@@ -665,9 +705,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                 confirmed=best.confirmed)
 
 
-# what `allow` may name (they change the math): 8-bit optimizer states, LoRA, QLoRA (LoRA on a 4-bit base; it
-# allows LoRA's bf16 base too)
-ALLOW = ("8bit-optim", "lora", "qlora")
+# what `allow` may name (they change the math): 8-bit optimizer states, the same paged from the host, LoRA, QLoRA
+# (LoRA on a 4-bit base; it allows LoRA's bf16 base too)
+ALLOW = ("8bit-optim", "paged-optim", "lora", "qlora")
 LORA = dict(r=16, alpha=32, targets="all-linear")  # the adapters a plan allowed LoRA tries (QLoRA's choice of layers)
 
 
@@ -780,10 +820,58 @@ def _count_free(cfg: Config) -> tuple:
 
 
 def _state_key(cfg: Config) -> tuple:
-    """What decides a family's state floor: precision, optimizer offload, 8-bit states, a 4-bit base, the layout
-    across ranks."""
-    return (cfg.precision, cfg.offload_optimizer, cfg.optimizer_8bit, cfg.base_4bit, cfg.gpus, cfg.data_parallel,
-            cfg.gpus_per_node)
+    """What decides a family's state floor: precision, optimizer offload, 8-bit states and their paging, a 4-bit
+    base, a gradient buffer (none with the optimizer step in backward), the layout across ranks."""
+    return (cfg.precision, cfg.offload_optimizer, cfg.optimizer_8bit, cfg.paged_optimizer, cfg.base_4bit,
+            cfg.optimizer_in_backward, cfg.gpus, cfg.data_parallel, cfg.gpus_per_node)
+
+
+def _may_step_in_backward(cfg: Config, workload: Workload, micro_batch: int | None, per_rank: int) -> bool:
+    """Whether `cfg`'s family can take the optimizer step in backward (Config's rules: one GPU, no fp16, no
+    optimizer offload, one micro-batch a step; and no clipping by the total norm)."""
+    return (cfg.gpus == 1 and not (cfg.offload_optimizer or cfg.precision == "fp16" or cfg.optimizer_in_backward)
+            and workload.max_grad_norm is None and micro_batch in (None, per_rank))
+
+
+def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors: dict, host_floors: dict):
+    """`floors` and `host_floors` with those of `configs` added (traced in a child, as plan's first ones)."""
+    [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, configs, dev)], workers=1)
+    floors, host_floors = dict(floors), dict(host_floors)
+    if kind == "ok":
+        for cfg, (on_device, on_host) in zip(configs, value[1]):
+            floors[_state_key(cfg)], host_floors[_state_key(cfg)] = on_device, on_host
+    return floors, host_floors
+
+
+def _untried(workload: Workload, allowed: frozenset, adapted: bool, dev: Device, usable: int, host_bytes: int | None,
+             base: Config, micro_batch: int | None, per_rank: int) -> list[str]:
+    """For "nothing fits": the techniques that change the math and were not allowed, each with what its state
+    floor needs in its leanest family (`base`'s precision and offload, the optimizer step in backward where it
+    may), traced here; a floor within the limits says it may fit, the activations deciding."""
+    tries = {}
+    if "8bit-optim" not in allowed and "paged-optim" not in allowed:
+        tries["8bit-optim"] = base.replace(optimizer_8bit=True)
+    if "paged-optim" not in allowed and base.gpus == 1 and not base.offload_optimizer:
+        tries["paged-optim"] = base.replace(optimizer_8bit=True, paged_optimizer=True)
+    for name, cfg in tries.items():
+        if _may_step_in_backward(cfg, workload, micro_batch, per_rank):
+            tries[name] = cfg.replace(optimizer_in_backward=True)
+    floors, host_floors = _more_floors(workload, list(tries.values()), dev, {}, {})
+    out = []
+    for name, cfg in tries.items():
+        key = _state_key(cfg)
+        if key not in floors:
+            continue
+        on_device, on_host = floors[key], host_floors[key]
+        fits = on_device <= usable and (host_bytes is None or on_host <= host_bytes)
+        where = f"{fmt_bytes(on_device)} on the GPU" + (f" and {fmt_bytes(on_host)} on the host" if on_host else "")
+        family = ", ".join([cfg.precision] + [t for t in cfg.techniques() if "8-bit" not in t])
+        out.append(f"--allow {name} {'may fit' if fits else 'does not help'}: in {family}, weights and optimizer "
+                   f"state need {where}" + (" (the activations decide)" if fits else ""))
+    if not ({"lora", "qlora"} & allowed or adapted):
+        out.append("--allow lora or qlora: only adapters train, their gradients and optimizer state a small share "
+                   "of the model's")
+    return out
 
 
 def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth: int | None) -> list:
