@@ -1,0 +1,169 @@
+"""Serving peaks traced on fake tensors: vLLM's profile run, and transformers' `generate` with a dynamic cache.
+
+vLLM sizes its KV cache after one dummy forward of `max_num_batched_tokens` tokens split over
+`min(tokens, max_num_seqs)` requests, then a dummy sampler run over one row of logits per request; the torch
+peak of that run is subtracted from the budget. Here the transformers implementation of the model runs the
+same forward on fake tensors: tokens flattened into one row, attention returning an empty output as vLLM's
+backends do when profiling (no cache to write, no metadata), hidden states of the requests' last tokens only
+through the LM head, then the sampler's steps as vLLM runs them for the dummy batch (fp32 logits, temperature,
+top-k / top-p over sorted logits, softmax, exponential draw) in plain PyTorch. The activation peak of a
+decoder lies inside one layer, so only the first layers are built (one of each attention kind, and of the
+MoE's dense layers where it has them): every other layer repeats one traced.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import torch
+
+from memfit.errors import ConfigError
+from memfit.inference.kv import head_size, layer_kinds
+from memfit.memory.fake import FakeBuild, new_fake_mode, quiet_fake_errors
+from memfit.memory.tracker import LiveBytes
+
+PROFILE_ATTENTION = "memfit_profile"
+
+
+@dataclasses.dataclass
+class Traced:
+    bytes: int            # peak increase over the weights and inputs
+    layers: int           # layers built and traced
+    notes: list
+
+
+def _profile_attention(module, query, key, value, attention_mask, **kwargs):
+    """vLLM's attention when profiling: its output buffer, nothing computed (no metadata, no cache)."""
+    b, heads, n, _ = query.shape
+    return query.new_empty(b, n, heads, value.shape[-1]), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PROFILE_ATTENTION, _profile_attention)
+    AttentionMaskInterface.register(PROFILE_ATTENTION, _no_mask)
+
+
+def layers_to_trace(config) -> int:
+    """The first layers that hold one of each layer kind (and the first MoE layer after DeepSeek's dense ones)."""
+    n = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or layer_kinds(config)
+    first = {}
+    for i, k in enumerate(kinds):
+        first.setdefault(k, i)
+    dense = getattr(config, "first_k_dense_replace", None) or 0
+    return min(n, max(2, max(first.values()) + 1, dense + 1))
+
+
+def per_rank(config, tp: int):
+    """The config one tensor-parallel rank computes: heads and MLP width divided (head size kept)."""
+    cfg = copy.deepcopy(config)
+    if tp == 1:
+        return cfg
+    cfg.head_dim = head_size(config)
+    cfg.num_attention_heads = config.num_attention_heads // tp
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv:
+        cfg.num_key_value_heads = max(1, kv // tp)
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if isinstance(getattr(config, name, None), int):
+            setattr(cfg, name, getattr(config, name) // tp)
+    return cfg
+
+
+def _truncated(config, layers: int):
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    for name in ("layer_types", "layers_block_type"):
+        value = getattr(config, name, None)
+        if isinstance(value, list):
+            with contextlib.suppress(AttributeError):  # a property derived from other fields
+                setattr(cfg, name, value[:layers])
+    return cfg
+
+
+def _build(config, dtype: torch.dtype, attention: str):
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    except Exception as e:  # noqa: BLE001 - the config's own fault, in one line
+        raise ConfigError(f"{config.model_type}: transformers cannot build a causal LM from this config "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def vllm_sampler(logits: torch.Tensor) -> torch.Tensor:
+    """The memory-relevant steps of vLLM's sampler on its dummy batch (temperature 0.5, top-p 0.9, top-k the
+    vocabulary less one, PyTorch's native top-k/top-p path): what the profile run holds after the forward."""
+    rows, vocab = logits.shape
+    x = logits.to(torch.float32)
+    greedy = x.argmax(dim=-1)
+    x.div_(torch.full((rows, 1), 0.5, device=x.device))
+    ordered, index = x.sort(dim=-1)
+    kth = ordered.gather(1, torch.full((rows, 1), 1, dtype=torch.long, device=x.device))
+    ordered.masked_fill_(ordered < kth, float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    torch.cumsum(probs, dim=-1, out=probs)
+    below = probs <= 1 - 0.9
+    below[:, -1] = False
+    ordered.masked_fill_(below, float("-inf"))
+    del probs, below
+    x = ordered.scatter(dim=-1, index=index, src=ordered)
+    del ordered, index
+    probs = x.softmax(dim=-1, dtype=torch.float32)
+    draw = torch.empty_like(probs).exponential_()
+    return torch.where(greedy >= 0, probs.div_(draw).argmax(dim=-1), greedy)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers warns that its Mamba kernels fall back to PyTorch on a CPU: true, and not the user's concern
+    (vLLM runs its own kernels)."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.dtype = torch.bfloat16) -> Traced:
+    """The torch peak increase of vLLM's profile run for `tokens` tokens over `requests` requests, on one rank."""
+    _register()
+    layers = layers_to_trace(config)
+    cfg = _truncated(per_rank(config, tp), layers)
+    mode = new_fake_mode()
+    with mode, quiet_fake_errors(), _quiet_transformers():
+        with FakeBuild(mode):
+            model = _build(cfg, dtype, PROFILE_ATTENTION)
+        model.eval()
+        ids = torch.zeros(1, tokens, dtype=torch.long)
+        positions = torch.arange(tokens).unsqueeze(0)
+        step = tokens // requests
+        last = torch.arange(1, requests + 1) * step - 1
+        tracker = LiveBytes("cpu", detail=False)
+        tracker.track(list(model.parameters()) + list(model.buffers()) + [ids, positions, last])
+        base = tracker.current
+        with torch.no_grad(), tracker:
+            hidden = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            chosen = hidden[0, last]
+            del hidden
+            logits = model.get_output_embeddings()(chosen)
+            del chosen
+            vllm_sampler(logits)
+            del logits
+        tracker.close()
+    notes = [f"profile forward traced over {layers} of {config.num_hidden_layers} layers (each further layer repeats "
+             "one traced: the peak lies inside one layer or in the sampler)"]
+    if tp > 1:
+        notes.append(f"per rank of {tp}: attention heads and MLP width divided, logits gathered whole for the sampler")
+    return Traced(tracker.peak - base, layers, notes)
