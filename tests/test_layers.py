@@ -22,7 +22,7 @@ LAYERS = [
     ("memfit.strategies",),
     ("memfit.step",),
     ("memfit.memory",),
-    ("memfit.planner",),
+    ("memfit.planner", "memfit.inference"),
     ("memfit.report",),
     ("memfit.runtime",),
     ("memfit.cli",),

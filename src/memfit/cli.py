@@ -500,6 +500,42 @@ def _doctor_oom_plan(args, parsed: dict) -> None:
           f"{f' ({caveat})' if caveat else ''} (`memfit plan` explains the choice)")
 
 
+def cmd_infer(args) -> int:
+    """Serving memory: what fits, for vLLM (sized on the device) or transformers (run on this CPU with --run)."""
+    settings = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, tp=args.tp,
+                    block_size=args.block_size)
+    if args.run:
+        from memfit.inference.run import run_generate_batch
+
+        result = run_generate_batch(args.model, requests=args.concurrency or 4, context=args.context or 256)
+        print(json.dumps(result) if args.json else result["summary"])
+        return 0
+    from memfit.inference.serve import infer, inverse
+
+    if (args.concurrency is None) != (args.context is None):
+        raise ConfigError("--concurrency and --context go together: N requests of L tokens each")
+    answer = None
+    if args.concurrency is not None:
+        answer = inverse(args.model, args.concurrency, args.context, device=args.device, engine=args.engine,
+                         **{k: v for k, v in settings.items() if k not in ("max_model_len", "gpu_memory_utilization")})
+        result = answer["inference"]
+    else:
+        result = infer(args.model, device=args.device, engine=args.engine, **settings)
+    if args.json:
+        out = result.to_dict()
+        if answer:
+            out["inverse"] = {k: v for k, v in answer.items() if k != "inference"}
+        print(json.dumps(out))
+    else:
+        from rich.console import Console
+
+        from memfit.inference.view import render
+        Console().print(render(result, answer))
+    return 0
+
+
 def cmd_list(args) -> int:
     from memfit.memory.devices import DEVICES, aliases_of, device_names
     from memfit.workloads import BUILTIN_NAMES
@@ -635,6 +671,28 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "--device, also what its step holds and a configuration that fits")
     p.add_argument("--device", help="the GPU: its context size for a snapshot, its catalogue entry for --oom")
     p.set_defaults(fn=cmd_doctor)
+
+    p = sub.add_parser("infer", help="serving memory: KV cache tokens and concurrent requests that fit (vLLM), "
+                                     "or a real continuous-batching run on this CPU (--run)")
+    p.add_argument("model", help="hf:path/to/config.json, a cached Hub id (hf:org/name) or a model type (hf:llama)")
+    p.add_argument("--device", default="h100", help="the GPU serving it (default: %(default)s)")
+    p.add_argument("--engine", default="vllm", help="vllm (default) or transformers")
+    p.add_argument("--max-model-len", type=int, help="longest request in tokens (default: the model's positions)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's share of the GPU (default: 0.9)")
+    p.add_argument("--max-num-seqs", type=int, help="requests per step (default: vLLM's for the GPU: 1024 on 70 GiB "
+                                                    "and more, else 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step, the profile run's (default: 8192 on "
+                                                              "70 GiB and more, else 2048)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8")
+    p.add_argument("--quantization", default="none", help="weights: none, fp8, int8 (W8A8) or int4 (AWQ/GPTQ)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; figures are per rank")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: 16)")
+    p.add_argument("--concurrency", type=int, help="with --context: the smallest setting that holds this many requests")
+    p.add_argument("--context", type=int, help="with --concurrency: tokens per request")
+    p.add_argument("--run", action="store_true", help="generate with transformers' continuous batching on this CPU "
+                                                      "with the planned cache and compare the peak with the estimate")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(fn=cmd_infer)
 
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
