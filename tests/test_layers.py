@@ -25,6 +25,7 @@ LAYERS = [
     ("memfit.planner", "memfit.inference"),
     ("memfit.report",),
     ("memfit.runtime",),
+    ("memfit.integrations",),  # other stacks' loops on top of the planner: nothing below imports them
     ("memfit.cli",),
 ]
 EXEMPT = {"memfit", "memfit.__main__"}  # the package root re-exports the public API from every layer

@@ -8,6 +8,7 @@ from importlib import metadata as _metadata
 
 from memfit.config import Config
 from memfit.errors import MemfitError
+from memfit.integrations.loops import find_batch_size
 from memfit.inference.serve import Inference, infer
 from memfit.memory.estimate import Estimate, estimate
 from memfit.planner.search import Plan, plan

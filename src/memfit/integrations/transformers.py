@@ -1,0 +1,290 @@
+"""Hugging Face `Trainer` (and TRL's `SFTTrainer`, whose `SFTConfig` is a `TrainingArguments`): the batch size,
+accumulation and checkpointing that fit, chosen from an estimate of the step `Trainer` runs, not by crashing.
+
+`trainer_workload` is that step as a memfit `Workload`: the model as the user built it (or from its config),
+`Trainer.compute_loss`'s call of the model with its labels and `num_items_in_batch`, the optimizer `args.optim`
+names with `Trainer.create_optimizer`'s weight-decay groups, clipping at `max_grad_norm`, transformers' own
+activation checkpointing from the arguments and Accelerate's mixed precision (autocast, outputs converted to
+fp32). `estimate_training_args` adds what `Trainer.train()` holds beyond memfit's step: the micro-batch
+Accelerate's dataloader has already fetched for the next step (on a GPU, every micro-batch of the step too,
+as Accelerate puts them there when it fetches them). `fit_training_args` plans with that workload, keeps the
+user's global batch, and confirms the arguments it returns with `estimate_training_args`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import warnings
+
+import torch
+
+from memfit.config import Config
+from memfit.errors import ConfigError, PlanError, WorkloadError
+from memfit.integrations.loops import plan_runnable, rebuilt, target, used
+from memfit.losses import chunking
+from memfit.memory.estimate import Category, Estimate, estimate
+from memfit.planner.search import Plan, check_allow
+from memfit.units import fmt_bytes
+from memfit.workload import Workload, tensors_of
+from memfit.workloads.hf import from_config, load_config
+
+MISSING = "transformers is not installed: pip install 'memfit[hf]'"
+# args.optim values whose optimizer memfit builds as Trainer does (transformers' own handler); the rest of
+# OptimizerNames (GaLore, APOLLO, LOMO, bitsandbytes, torchao, schedule-free, ...) are refused
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd")
+# what `allow` may name: the precisions a plan may switch to (they change the math, as memfit plan --allow)
+PRECISIONS = {"bf16": "bf16", "fp16": "fp16"}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise WorkloadError(MISSING) from None
+    return transformers
+
+
+def base_workload(model, seq_len: int) -> Workload:
+    """The model, batches of `seq_len` tokens with labels, and the model's own loss on them. `model`: an
+    `nn.Module` (a transformers model, PEFT-wrapped or not, on any device, meta included: rebuilt with fresh
+    tensors, its weights never read), a transformers config, or a memfit `hf:` name."""
+    transformers = _transformers()
+    if isinstance(model, str):
+        if not model.startswith("hf:"):
+            raise WorkloadError(f"a transformers model is an nn.Module, a config or an 'hf:' name, got {model!r}")
+        return from_config(model[3:], seq=seq_len)
+    if isinstance(model, transformers.PretrainedConfig):
+        return from_config(model, seq=seq_len)
+    if not isinstance(model, torch.nn.Module):
+        raise WorkloadError(f"a transformers model is an nn.Module, a config or an 'hf:' name, got "
+                            f"{type(model).__name__}")
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    config = getattr(inner, "config", None)
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise WorkloadError(f"{type(inner).__name__} has no transformers config: memfit makes a transformers "
+                            "model's batches from it (for another model, describe the step as a memfit.Workload)")
+    config = load_config(config)
+    config.architectures = [type(inner).__name__]  # its head decides the batches and the loss
+    described = from_config(config, seq=seq_len)
+    return dataclasses.replace(described, model=rebuilt(model), name=f"{type(inner).__name__}")
+
+
+def trainer_workload(model, args, *, seq_len: int) -> Workload:
+    """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`, or a subclass such as TRL's
+    `SFTConfig`), as a memfit Workload; the micro-batch, accumulation and precision are `config_of(args)`."""
+    transformers = _transformers()
+    not_modelled(args)
+    base = base_workload(model, seq_len)
+    built = []
+
+    def build() -> torch.nn.Module:
+        m = base.model()
+        if args.activation_checkpointing:  # as Trainer._inner_training_loop enables it
+            kwargs = dict(args.activation_checkpointing_kwargs or {})
+            every = kwargs.pop("every_n_layers", 1)
+            kwargs.pop("offload", None)  # refused by not_modelled where it is set
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every)
+        if args.bf16 or args.fp16:  # Accelerate's mixed precision returns the outputs in fp32
+            from accelerate.utils import convert_outputs_to_fp32
+
+            m.forward = types.MethodType(convert_outputs_to_fp32(type(m).forward), m)
+        built[:] = [m.train()]
+        return built[0]
+
+    def loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Trainer.compute_loss: the model's loss from its labels, normalised by `num_items_in_batch` where
+        the model takes loss keywords (here the micro-batch's own count: memfit weights each micro-batch's
+        mean by its share, the same math for the full rows these batches have)."""
+        extra = {}
+        if "labels" in batch and _accepts_loss_kwargs(m):
+            labels = batch["labels"][..., 1:] if _shifts_labels(m) else batch["labels"]
+            extra["num_items_in_batch"] = labels.ne(-100).sum()
+        with chunking(1):  # Trainer computes the model's own loss, never memfit's chunked one
+            return base.loss(m, {**batch, **extra})
+
+    def optimizer(params) -> torch.optim.Optimizer:
+        """Trainer.create_optimizer: the class and keywords `args.optim` names, decay on all but biases and
+        norms."""
+        wanted = {id(p) for p in params}
+        names = dict(built[0].named_parameters())
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, built[0]))
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, built[0])
+        groups = [{"params": [p for n, p in names.items() if id(p) in wanted and p.requires_grad and (n in decay) == d],
+                   "weight_decay": args.weight_decay if d else 0.0} for d in (True, False)]
+        return cls(groups, **kwargs)
+
+    clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    return Workload(model=build, batch=base.batch, loss=loss, optimizer=optimizer, name=f"Trainer({base.name})",
+                    max_grad_norm=clip)
+
+
+def _accepts_loss_kwargs(m: torch.nn.Module) -> bool:
+    """Trainer's rule for passing `num_items_in_batch` to the model."""
+    inner = m.get_base_model() if hasattr(m, "get_base_model") else m
+    if hasattr(inner, "accepts_loss_kwargs"):
+        return bool(inner.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner.forward).parameters.values())
+
+
+def _shifts_labels(m: torch.nn.Module) -> bool:
+    """Trainer's rule for counting a causal LM's items over `labels[..., 1:]`."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    inner = m.get_base_model() if hasattr(m, "get_base_model") else m
+    return (LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(getattr(inner, "config", None), "is_encoder_decoder", False))
+
+
+def not_modelled(args) -> None:
+    """One clear line for what `Trainer` would do with `args` that memfit does not model: a number for it
+    would be silently wrong."""
+    why = None
+    if args.deepspeed:
+        why = "DeepSpeed (its ZeRO stages, buffers and offload are not memfit's layouts)"
+    elif args.torch_compile:
+        why = "torch_compile (a compiled step keeps other tensors than the eager one memfit traces)"
+    elif args.optim not in OPTIMIZERS:
+        why = f"optim={args.optim!r} (modelled: {', '.join(OPTIMIZERS)})"
+    elif getattr(args, "use_liger_kernel", False):
+        why = "use_liger_kernel (Liger's fused kernels replace the model's own)"
+    elif args.label_smoothing_factor:
+        why = "label_smoothing_factor (Trainer's label smoother computes the loss again from the logits)"
+    elif getattr(args, "neftune_noise_alpha", None) is not None:
+        why = "neftune_noise_alpha"
+    elif (args.activation_checkpointing_kwargs or {}).get("offload"):
+        why = "activation checkpointing with offload (saved activations in pinned host memory)"
+    elif args.fsdp:
+        why = "fsdp (Trainer's FSDP is not yet mapped onto memfit's FSDP2 layouts)"
+    elif args.world_size > 1 or args.n_gpu > 1:
+        why = (f"{max(args.world_size, args.n_gpu)} processes or GPUs without FSDP: Accelerate's DDP keeps its "
+               "buckets apart from the gradients (gradient_as_bucket_view=False), which memfit's ddp layout does not")
+    if why:
+        raise ConfigError(f"not modelled by memfit for Trainer: {why}; no estimate is made for it")
+
+
+def config_of(args) -> Config:
+    """memfit's Config for the step `args` describe: transformers' checkpointing lives in the model
+    (`trainer_workload`), so the Config has none of its own."""
+    return Config(micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+                  precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
+
+
+def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu") -> Estimate:
+    """The peak of `Trainer(model, args).train()`'s steps on `device`: memfit's estimate of
+    `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc)."""
+    wl = trainer_workload(model, args, seq_len=seq_len)
+    config = config_of(args)
+    est = estimate(wl, config, device)
+    with torch.device("meta"):
+        micro = sum(t.numel() * t.element_size() for t in tensors_of(wl.batch(config.micro_batch)))
+    if est.device_peak_bytes is None:  # on a CPU memfit's step holds the global batch already
+        extra, why = micro, "the next step's first micro-batch, fetched ahead by Accelerate's dataloader"
+        fields = dict(peak_bytes=est.peak_bytes + extra)
+    else:
+        extra = config.grad_accum * -(-micro // 512) * 512  # the caching allocator's 512-byte rounding
+        why = (f"the step's {config.grad_accum} micro-batch(es) and the next one on the GPU, as Accelerate's "
+               "dataloader places them when it fetches them (memfit's step copies one at a time)")
+        fields = {k: getattr(est, k) + extra for k in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                                                      "device_peak_bytes")}
+    breakdown = dict(est.breakdown)
+    breakdown[Category.INPUTS] = breakdown.get(Category.INPUTS, 0) + extra
+    notes = [*est.notes, f"Trainer's dataloader: {fmt_bytes(extra)} more inputs, {why}"]
+    return dataclasses.replace(est, breakdown=breakdown, notes=notes, **fields)
+
+
+def runs(config: Config) -> str | None:
+    """Why `Trainer` cannot run a configuration memfit's planner may choose (None: it can)."""
+    if config.activation_checkpoint == "selective" or isinstance(config.activation_checkpoint, tuple):
+        return "selective checkpointing"
+    for on, what in ((config.optimizer_in_backward, "the optimizer step in backward"),
+                     (config.loss_chunks > 1, "a loss in chunks"), (config.offload_activations, "activation offload"),
+                     (config.offload_optimizer, "optimizer offload"), (config.precision == "bf16-pure", "bf16-pure"),
+                     (config.base_4bit, "a 4-bit base"), (config.optimizer_8bit, "8-bit optimizer states")):
+        if on:
+            return what
+    return None
+
+
+def settings(config: Config) -> dict:
+    """The TrainingArguments keywords that run `config` (memfit's configuration of one process)."""
+    why = runs(config)
+    if why:
+        raise ConfigError(f"Trainer cannot run {config.describe()}: {why}")
+    ck = config.activation_checkpoint
+    out = dict(per_device_train_batch_size=config.micro_batch, gradient_accumulation_steps=config.grad_accum,
+               activation_checkpointing=ck != "none", bf16=config.precision == "bf16", fp16=config.precision == "fp16")
+    if isinstance(ck, int):
+        out["activation_checkpointing_kwargs"] = {"every_n_layers": ck}
+    return out
+
+
+def fit_training_args(model, args, *, seq_len: int, device: str | None = None, budget=None, allow=()):
+    """`args` with the micro-batch, accumulation and activation checkpointing that fit `budget` on `device`
+    fastest, the global batch (per device x accumulation x processes) kept exactly; precision changes only to
+    a precision named in `allow` ("bf16", "fp16"). Returns (a copy of args, the Plan); the plan's peak is
+    `estimate_training_args` of the copy. `device`: a catalogue name, else the current CUDA device with its
+    free memory as the budget.
+
+    Example::
+
+        args, plan = fit_training_args(model, TrainingArguments("out", per_device_train_batch_size=32),
+                                       seq_len=2048, device="h100", budget="70GiB", allow=("bf16",))
+        Trainer(model=model, args=args, train_dataset=data).train()
+    """
+    allowed = frozenset([allow] if isinstance(allow, str) else allow)
+    planner_allow = check_allow(allowed - set(PRECISIONS))
+    if planner_allow:
+        raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow))} for Trainer yet: the arguments it "
+                          "maps to are not modelled (8-bit and paged optimizers keep Embedding states in 32 bits "
+                          "under Trainer; adapters are the model's, not the arguments')")
+    not_modelled(args)
+    dev, limit = target(device, budget)
+    user = config_of(args)
+    global_batch = user.global_batch
+    searched = trainer_workload(model, dataclasses.replace(args, activation_checkpointing=False), seq_len=seq_len)
+
+    def confirm(config: Config) -> Estimate:
+        return estimate_training_args(model, _replaced(args, config), seq_len=seq_len, device=dev)
+
+    plans, errors = [], []
+    for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed))]):
+        try:
+            plans.append(plan_runnable(searched, global_batch, runs, stack="Trainer", confirm=confirm, budget=limit,
+                                       device=dev, precision=precision, offload_activations=False,
+                                       offload_optimizer=False))
+        except PlanError as e:
+            errors.append(e)
+    if not plans:
+        raise errors[0]
+    best = min(plans, key=lambda p: p.step_seconds)
+    return _replaced(args, best.config), best
+
+
+def _replaced(args, config: Config):
+    """A copy of `args` that runs `config`; Trainer's own batch-size search is off (the plan replaces it)."""
+    with warnings.catch_warnings():  # the deprecated alias is mirrored by TrainingArguments itself
+        warnings.simplefilter("ignore", FutureWarning)
+        return dataclasses.replace(args, auto_find_batch_size=False, **settings(config))
+
+
+def emit(config: Config, style: str) -> str:
+    """`config` as `TrainingArguments(...)` keywords and as the flags HfArgumentParser reads (`trainer`),
+    or as a `trl sft` command line (`trl`: SFTConfig turns checkpointing and bf16 on by default, so every
+    value is given)."""
+    kw = settings(config)
+    if style == "trl":
+        flags = " ".join(f"--{k} {v}" for k, v in kw.items() if not isinstance(v, dict))
+        extra = "".join(f" --{k} '{_json(v)}'" for k, v in kw.items() if isinstance(v, dict))
+        return f"trl sft --model_name_or_path MODEL --dataset_name DATA {flags}{extra}"
+    call = ", ".join(f"{k}={v!r}" for k, v in kw.items() if v is not False)
+    flags = " ".join(f"--{k} {v}" if not isinstance(v, bool) else f"--{k}" for k, v in kw.items()
+                     if v is not False and not isinstance(v, dict))
+    flags += "".join(f" --{k} '{_json(v)}'" for k, v in kw.items() if isinstance(v, dict))
+    return f"TrainingArguments({call})\n{flags}"
+
+
+def _json(value: dict) -> str:
+    import json
+
+    return json.dumps(value)
