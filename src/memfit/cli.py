@@ -294,9 +294,17 @@ def cmd_plan(args) -> int:
         return 0
     if args.plot:
         raise PlanError("--plot draws a range of GPU counts (--gpus 8-512)")
-    result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=counts[0],
-                  data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, allow=_allow(args.allow),
-                  host_memory=args.host_memory, **fixed)
+    if args.emit:  # only what that stack runs: Trainer has no optimizer step in backward, chunked loss, offload
+        from memfit.integrations.loops import plan_runnable
+        from memfit.integrations.transformers import emit, runs
+        if counts != [1] or args.verify or _allow(args.allow):
+            raise PlanError("--emit writes one process's Trainer arguments: not with --gpus, --verify or --allow yet")
+        result = plan_runnable(workload, args.global_batch, runs, stack="Trainer", budget=args.budget, device=device,
+                               **{**fixed, "offload_activations": False, "offload_optimizer": False})
+    else:
+        result = plan(workload, args.global_batch, budget=args.budget, device=device, gpus=counts[0],
+                      data_parallel=args.data_parallel, gpus_per_node=args.gpus_per_node, allow=_allow(args.allow),
+                      host_memory=args.host_memory, **fixed)
     verified = None
     if args.verify:
         from memfit.runtime.verify import verify
@@ -305,6 +313,8 @@ def cmd_plan(args) -> int:
         out = result.to_dict()
         if verified:
             out["verify"] = verified
+        if args.emit:
+            out["emit"] = emit(result.config, args.emit)
         print(json.dumps(out))
     else:
         from rich.console import Console
@@ -313,6 +323,8 @@ def cmd_plan(args) -> int:
         console.print(plan_view(result))
         if verified:
             console.print(verify_view(verified))
+        if args.emit:
+            print(emit(result.config, args.emit))
     return 0
 
 
@@ -619,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="run the plan for a few real steps and compare")
     p.add_argument("--verify-steps", type=int, default=3, help="real steps --verify times (default: %(default)s)")
     p.add_argument("--plot", metavar="PNG", help="with a range of --gpus: throughput and scaling efficiency by count")
+    p.add_argument("--emit", choices=("trainer", "trl"),
+                   help="plan only what Hugging Face Trainer runs and print it as TrainingArguments keywords and the "
+                        "flags HfArgumentParser reads (trainer), or as a `trl sft` command line (trl)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_plan)
 

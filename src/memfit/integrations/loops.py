@@ -79,13 +79,14 @@ def plan_runnable(workload: Workload, global_batch: int, runs: Callable[[Config]
         if used(est) > found.usable_bytes:
             passed.append(f"{cand.config.describe()} (as {stack} runs it, {fmt_bytes(used(est))})")
             continue
+        others = [c for c in found.alternatives if c is not cand and not runs(c.config)]
         if i == 0 and confirm is None:
-            return found
+            return dataclasses.replace(found, alternatives=others)
         notes = found.notes if not passed else [
             f"passed over, faster but not what {stack} runs within the budget: {'; '.join(passed)}", *found.notes]
         return dataclasses.replace(found, config=cand.config, peak_bytes=used(est), step_seconds=cand.step_seconds,
                                    samples_per_second=global_batch / cand.step_seconds, estimate=est,
-                                   alternatives=[c for c in found.alternatives if c is not cand], notes=notes,
+                                   alternatives=others, notes=notes,
                                    confirmed=True)
     raise PlanError(f"nothing {stack} runs fits in {fmt_bytes(found.budget_bytes)} on {found.device} for a global batch "
                     f"of {global_batch}: what fits needs {'; '.join(passed)}")

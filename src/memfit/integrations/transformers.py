@@ -76,12 +76,13 @@ def trainer_workload(model, args, *, seq_len: int) -> Workload:
     transformers = _transformers()
     not_modelled(args)
     base = base_workload(model, seq_len)
+    name = _checkpointing_name()
     built = []
 
     def build() -> torch.nn.Module:
         m = base.model()
-        if args.activation_checkpointing:  # as Trainer._inner_training_loop enables it
-            kwargs = dict(args.activation_checkpointing_kwargs or {})
+        if getattr(args, name):  # as Trainer._inner_training_loop enables it
+            kwargs = dict(getattr(args, f"{name}_kwargs") or {})
             every = kwargs.pop("every_n_layers", 1)
             kwargs.pop("offload", None)  # refused by not_modelled where it is set
             m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every)
@@ -152,7 +153,7 @@ def not_modelled(args) -> None:
         why = "label_smoothing_factor (Trainer's label smoother computes the loss again from the logits)"
     elif getattr(args, "neftune_noise_alpha", None) is not None:
         why = "neftune_noise_alpha"
-    elif (args.activation_checkpointing_kwargs or {}).get("offload"):
+    elif (getattr(args, f"{_checkpointing_name()}_kwargs") or {}).get("offload"):
         why = "activation checkpointing with offload (saved activations in pinned host memory)"
     elif args.fsdp:
         why = "fsdp (Trainer's FSDP is not yet mapped onto memfit's FSDP2 layouts)"
@@ -212,11 +213,23 @@ def settings(config: Config) -> dict:
     if why:
         raise ConfigError(f"Trainer cannot run {config.describe()}: {why}")
     ck = config.activation_checkpoint
-    out = dict(per_device_train_batch_size=config.micro_batch, gradient_accumulation_steps=config.grad_accum,
-               activation_checkpointing=ck != "none", bf16=config.precision == "bf16", fp16=config.precision == "fp16")
+    name = _checkpointing_name()
+    out = {"per_device_train_batch_size": config.micro_batch, "gradient_accumulation_steps": config.grad_accum,
+           name: ck != "none", "bf16": config.precision == "bf16", "fp16": config.precision == "fp16"}
     if isinstance(ck, int):
-        out["activation_checkpointing_kwargs"] = {"every_n_layers": ck}
+        out[f"{name}_kwargs"] = {"every_n_layers": ck}
     return out
+
+
+def _checkpointing_name() -> str:
+    """transformers 5.2x calls it activation_checkpointing (gradient_checkpointing, the name before, is its
+    deprecated alias, to go in v6); without transformers here, the name every version reads."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return "gradient_checkpointing"
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 def fit_training_args(model, args, *, seq_len: int, device: str | None = None, budget=None, allow=()):
@@ -242,7 +255,7 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
     dev, limit = target(device, budget)
     user = config_of(args)
     global_batch = user.global_batch
-    searched = trainer_workload(model, dataclasses.replace(args, activation_checkpointing=False), seq_len=seq_len)
+    searched = trainer_workload(model, dataclasses.replace(args, **{_checkpointing_name(): False}), seq_len=seq_len)
 
     def confirm(config: Config) -> Estimate:
         return estimate_training_args(model, _replaced(args, config), seq_len=seq_len, device=dev)
