@@ -82,3 +82,16 @@ def test_when_the_host_limit_rules_out_offloading_the_plan_says_so_and_paged_sta
     assert p.peak_bytes <= p.usable_bytes and p.estimate.host_peak_bytes <= 2**30
     assert any("traced that way" in v for _, v in p.families)  # over its floor only by its gradient buffer
     assert any("paged 8-bit optimizer states allowed" in n for n in p.notes)
+
+
+def test_a_state_floor_less_its_gradients_is_the_floor_with_the_step_in_backward():
+    """The planner prices a family with the optimizer step in backward from the family's own floor, less its
+    gradients (state_parts), instead of priming it again: the same bytes."""
+    from memfit import Config
+    from memfit.memory.estimate import state_parts
+
+    wl = load_workload("gpt-small", seq=128)
+    for config in (Config(precision="bf16-pure"), Config(precision="bf16", optimizer_8bit=True, paged_optimizer=True)):
+        on_device, on_host, grads = state_parts(wl, config, "h100")
+        assert grads > 0
+        assert state_split(wl, config.replace(optimizer_in_backward=True), "h100") == (on_device - grads, on_host)

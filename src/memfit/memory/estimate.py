@@ -44,7 +44,7 @@ from memfit.units import fmt_bytes
 from memfit.workload import Workload, map_tensors, move_batch, tensors_of
 
 __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchError", "MicroBatchLine", "Phase",
-           "Probe", "estimate", "first_line", "probe", "probe_pair", "state_bytes", "state_split"]
+           "Probe", "estimate", "first_line", "probe", "probe_pair", "state_bytes", "state_parts", "state_split"]
 
 # The planner's probes: micro-batches 1 and 2, or 2 and 4 for a model that rejects 1 (two samples always
 # give batch statistics more than one value per channel).
@@ -211,6 +211,12 @@ def state_bytes(workload: Workload, config: Config, device: str | Device = "cpu"
 def state_split(workload: Workload, config: Config, device: str | Device = "cpu") -> tuple[int, int]:
     """(`state_bytes`, what optimizer offload keeps on the host between steps: fp32 master weights,
     gradient copies, optimizer state). The planner skips families whose host part is over --host-memory."""
+    return state_parts(workload, config, device)[:2]
+
+
+def state_parts(workload: Workload, config: Config, device: str | Device = "cpu") -> tuple[int, int, int]:
+    """`state_split`'s two figures and the gradients' share of the first: what the same family keeps with the
+    optimizer step in backward, which holds no gradient buffer, is the first less the third."""
     dev = device if isinstance(device, Device) else get_device(device)
     world = fake_process_group(config.gpus) if config.gpus > 1 else contextlib.nullcontext()
     with world, new_fake_mode() as mode, quiet_fake_errors():
@@ -220,8 +226,10 @@ def state_split(workload: Workload, config: Config, device: str | Device = "cpu"
         step.prime()
         host = {storage_key(t): t.untyped_storage().nbytes() for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
-    return (sum(n for address, n in storages.items() if address not in host) + outside_tensors(dev, config),
-            sum(host.values()))
+        grads = {storage_key(t) for p in step.model.parameters() if p.grad is not None for t in held_by(p.grad)}
+    on_device = {address: n for address, n in storages.items() if address not in host}
+    return (sum(on_device.values()) + outside_tensors(dev, config), sum(host.values()),
+            sum(n for address, n in on_device.items() if address in grads))
 
 
 def outside_tensors(dev: Device, config: Config) -> int:

@@ -24,7 +24,7 @@ from memfit.config import Config
 from memfit.errors import ConfigError, EstimateError, LossChunkError, MicroBatchError, PlanError, WorkloadError
 from memfit.memory.devices import Device, check_node, defaults_for, get_device
 from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, Probe, estimate, first_line,
-                                    outside_tensors, probe, probe_pair, state_split)
+                                    outside_tensors, probe, probe_pair, state_parts)
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
@@ -275,9 +275,9 @@ def shallow(workload: Workload, keep: int) -> Workload:
 
 
 def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list[tuple]]:
-    """The model's stack depth (None: not probed shallow) and each state's floors on the device and the host
-    (see plan): for a deep model from two shallow copies, the line through them at the full depth (states
-    add up per block)."""
+    """The model's stack depth (None: not probed shallow) and each state's floors (state_parts: on the device,
+    on the host, the gradients' share of the first): for a deep model from two shallow copies, the line through
+    them at the full depth (states add up per block)."""
     try:
         with new_fake_mode() as mode, FakeBuild(mode):
             depth = stack_depth(workload.model())
@@ -477,8 +477,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     states = list({_state_key(b): b for b in bases}.values())
     [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
-    floors = {key: on_device for key, (on_device, _) in split.items()}
-    host_floors = {key: on_host for key, (_, on_host) in split.items()}
+    floors = {key: on_device for key, (on_device, _, _) in split.items()}
+    host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
     if depth:
         notes.append(f"{workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and {DEPTHS[1]} "
                      "blocks, extended to the full depth; every plan offered is confirmed on the whole model")
@@ -493,9 +493,10 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # a family over its floor for its gradient buffer may fit with the optimizer step in backward, which keeps
     # none (one micro-batch a step): its own floor decides, and it is traced in the family's place
     in_backward = {b: b.replace(optimizer_in_backward=True) for b in bases if floors.get(_state_key(b), 0) > usable
-                   and _may_step_in_backward(b, workload, micro_batch, per_rank)}
-    if in_backward:
-        floors, host_floors = _more_floors(workload, list(in_backward.values()), dev, floors, host_floors)
+                   and _state_key(b) in split and _may_step_in_backward(b, workload, micro_batch, per_rank)}
+    for b, alt in in_backward.items():  # the same state less the gradients (state_parts)
+        floors[_state_key(alt)] = floors[_state_key(b)] - split[_state_key(b)][2]
+        host_floors[_state_key(alt)] = host_floors[_state_key(b)]
     host_need: dict[str, int] = {}  # families over --host-memory: the host memory each needs
     for b in list(bases):
         floor = floors.get(_state_key(b), 0)
@@ -838,7 +839,7 @@ def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors:
     [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, configs, dev)], workers=1)
     floors, host_floors = dict(floors), dict(host_floors)
     if kind == "ok":
-        for cfg, (on_device, on_host) in zip(configs, value[1]):
+        for cfg, (on_device, on_host, _) in zip(configs, value[1]):
             floors[_state_key(cfg)], host_floors[_state_key(cfg)] = on_device, on_host
     return floors, host_floors
 
@@ -891,8 +892,8 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
     return out
 
 
-def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple[int, int]]:
-    return [state_split(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
+def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple[int, int, int]]:
+    return [state_parts(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
             for s in states]
 
 
