@@ -146,7 +146,7 @@ def not_modelled(args) -> None:
     elif args.torch_compile:
         why = "torch_compile (a compiled step keeps other tensors than the eager one memfit traces)"
     elif args.optim not in OPTIMIZERS:
-        why = f"optim={args.optim!r} (modelled: {', '.join(OPTIMIZERS)})"
+        why = f"optim={getattr(args.optim, 'value', args.optim)!r} (modelled: {', '.join(OPTIMIZERS)})"
     elif getattr(args, "use_liger_kernel", False):
         why = "use_liger_kernel (Liger's fused kernels replace the model's own)"
     elif args.label_smoothing_factor:
