@@ -22,6 +22,7 @@ def pytest_configure(config):
     own cache), and the calibration's rules are tested in test_planner.py. A stored profile that this memfit
     no longer reads is measured here instead."""
     os.environ["MEMFIT_CACHE"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+    os.environ["MEMFIT_TRACE_CACHE"] = "0"  # every test traces; tests/test_trace_cache.py turns it on
     import torch
 
     from memfit.memory.devices import get_device

@@ -27,6 +27,7 @@ from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, P
                                     outside_tensors, probe, probe_pair, state_parts)
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
+from memfit.memory.trace_cache import run_cached_many
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
                                       step_seconds)
 from memfit.strategies.activation_checkpoint import find_blocks
@@ -475,7 +476,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
     # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
     states = list({_state_key(b): b for b in bases}.values())
-    [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1)
+    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
@@ -631,7 +632,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     queue = list(candidates)
     while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
         batch, queue = queue[:confirm], queue[confirm:]
-        results = run_isolated_many([functools.partial(full_probe, workload, c.config, dev) for c in batch])
+        results = run_cached_many([functools.partial(full_probe, workload, c.config, dev) for c in batch])
         for cand, (kind, value) in zip(batch, results):
             label = _family_name(cand.config) + f", micro-batch {cand.config.micro_batch}"
             if kind != "ok":  # not offered; the next candidate is confirmed instead
@@ -836,7 +837,7 @@ def _may_step_in_backward(cfg: Config, workload: Workload, micro_batch: int | No
 
 def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors: dict, host_floors: dict):
     """`floors` and `host_floors` with those of `configs` added (traced in a child, as plan's first ones)."""
-    [(kind, value)] = run_isolated_many([functools.partial(_depth_and_floors, workload, configs, dev)], workers=1)
+    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, configs, dev)], workers=1)
     floors, host_floors = dict(floors), dict(host_floors)
     if kind == "ok":
         for cfg, (on_device, on_host, _) in zip(configs, value[1]):
@@ -880,10 +881,10 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
     deep model (`depth`) the pairs of its two shallow copies."""
     if not depth:
         return [(kind, _Family(base, *value) if kind == "ok" else value)
-                for base, (kind, value) in zip(bases, run_isolated_many(
+                for base, (kind, value) in zip(bases, run_cached_many(
                     [functools.partial(probe_pair, workload, b, dev) for b in bases]))]
     copies = [shallow(workload, keep) for keep in DEPTHS]
-    traced = run_isolated_many([functools.partial(probe_pair, c, b, dev) for b in bases for c in copies])
+    traced = run_cached_many([functools.partial(probe_pair, c, b, dev) for b in bases for c in copies])
     out = []
     for i, base in enumerate(bases):
         (k1, v1), (k2, v2) = traced[2 * i], traced[2 * i + 1]
