@@ -57,8 +57,7 @@ def test_estimate_is_the_peak_of_trainer_train(tmp_path, kind, kw):
     assert abs(predicted.peak_bytes - truth) <= SCALARS, (predicted.peak_bytes, truth)
 
 
-@pytest.mark.parametrize("kind,budget,kw,allow", [
-    ("llama", "24MiB", dict(per_device_train_batch_size=16, optim="adamw_torch"), ()),
+@pytest.mark.parametrize("kind,budget,kw,allow", [  # Llama's is MemfitCallback's test, below
     ("bert", "20MiB", dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=0.0),
      ("bf16",)),
 ])
@@ -146,3 +145,18 @@ def test_bad_models_and_budgets_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="cannot allow lora for Trainer"):
         fit_training_args(make(), args, seq_len=SEQ, device="cpu", budget="1GiB", allow=("lora",))
+
+
+def test_callback_sets_the_arguments_at_init_end_and_the_run_peaks_where_predicted(tmp_path):
+    from memfit.integrations.transformers import MemfitCallback
+
+    make, data = _maker("llama")
+    args = _args(tmp_path, per_device_train_batch_size=16)
+    callback = MemfitCallback(seq_len=SEQ, budget="24MiB", device="cpu")
+    truth, trainer = trainer_peak(make, args, data, callbacks=[callback])
+    ran = trainer.args
+    assert ran.per_device_train_batch_size * ran.gradient_accumulation_steps == 16
+    assert (ran.per_device_train_batch_size, ran.gradient_accumulation_steps) == (
+        callback.plan.config.micro_batch, callback.plan.config.grad_accum)
+    assert trainer.state.global_step == 3
+    assert abs(callback.plan.peak_bytes - truth) <= SCALARS, (callback.plan.config.describe(), truth)

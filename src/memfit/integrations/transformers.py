@@ -13,6 +13,7 @@ user's global batch, and confirms the arguments it returns with `estimate_traini
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 import warnings
@@ -73,20 +74,35 @@ def base_workload(model, seq_len: int) -> Workload:
 def trainer_workload(model, args, *, seq_len: int) -> Workload:
     """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`, or a subclass such as TRL's
     `SFTConfig`), as a memfit Workload; the micro-batch, accumulation and precision are `config_of(args)`."""
-    transformers = _transformers()
     not_modelled(args)
-    base = base_workload(model, seq_len)
+    return _step(model, args, seq_len, _checkpointing_of(args), mixed=bool(args.bf16 or args.fp16))
+
+
+def _checkpointing_of(args) -> tuple[bool, dict | None]:
     name = _checkpointing_name()
+    return bool(getattr(args, name)), getattr(args, f"{name}_kwargs")
+
+
+def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mixed: bool) -> Workload:
+    """`trainer_workload` with transformers' activation checkpointing (on, its keywords) and mixed precision
+    given apart from `args`: the planner's candidates are estimated without a TrainingArguments made for each
+    (building one resets Accelerate's process-wide state, a live Trainer's included)."""
+    transformers = _transformers()
+    base = base_workload(model, seq_len)
     built = []
 
     def build() -> torch.nn.Module:
         m = base.model()
-        if getattr(args, name):  # as Trainer._inner_training_loop enables it
-            kwargs = dict(getattr(args, f"{name}_kwargs") or {})
+        on, kwargs = checkpointing
+        if on:  # as Trainer._inner_training_loop enables it
+            kwargs = dict(kwargs or {})
             every = kwargs.pop("every_n_layers", 1)
             kwargs.pop("offload", None)  # refused by not_modelled where it is set
-            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every)
-        if args.bf16 or args.fp16:  # Accelerate's mixed precision returns the outputs in fp32
+            if hasattr(m, "activation_checkpointing_enable"):
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every)
+            else:  # transformers before 5.2x: the old name, no every_n_layers
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        if mixed:  # Accelerate's mixed precision returns the outputs in fp32
             from accelerate.utils import convert_outputs_to_fp32
 
             m.forward = types.MethodType(convert_outputs_to_fp32(type(m).forward), m)
@@ -174,8 +190,10 @@ def config_of(args) -> Config:
 def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu") -> Estimate:
     """The peak of `Trainer(model, args).train()`'s steps on `device`: memfit's estimate of
     `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc)."""
-    wl = trainer_workload(model, args, seq_len=seq_len)
-    config = config_of(args)
+    return _with_loader(trainer_workload(model, args, seq_len=seq_len), config_of(args), device)
+
+
+def _with_loader(wl: Workload, config: Config, device) -> Estimate:
     est = estimate(wl, config, device)
     with torch.device("meta"):
         micro = sum(t.numel() * t.element_size() for t in tensors_of(wl.batch(config.micro_batch)))
@@ -237,7 +255,8 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
     fastest, the global batch (per device x accumulation x processes) kept exactly; precision changes only to
     a precision named in `allow` ("bf16", "fp16"). Returns (a copy of args, the Plan); the plan's peak is
     `estimate_training_args` of the copy. `device`: a catalogue name, else the current CUDA device with its
-    free memory as the budget.
+    free memory as the budget. Call it before building the Trainer: a new TrainingArguments resets
+    Accelerate's process-wide state (`MemfitCallback` plans inside a built Trainer).
 
     Example::
 
@@ -245,6 +264,13 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
                                        seq_len=2048, device="h100", budget="70GiB", allow=("bf16",))
         Trainer(model=model, args=args, train_dataset=data).train()
     """
+    best = _fit(model, args, seq_len, device, budget, allow)
+    with warnings.catch_warnings():  # the deprecated alias is mirrored by TrainingArguments itself
+        warnings.simplefilter("ignore", FutureWarning)
+        return dataclasses.replace(args, auto_find_batch_size=False, **settings(best.config)), best
+
+
+def _fit(model, args, seq_len: int, device, budget, allow) -> Plan:
     allowed = frozenset([allow] if isinstance(allow, str) else allow)
     planner_allow = check_allow(allowed - set(PRECISIONS))
     if planner_allow:
@@ -254,31 +280,27 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
     not_modelled(args)
     dev, limit = target(device, budget)
     user = config_of(args)
-    global_batch = user.global_batch
-    searched = trainer_workload(model, dataclasses.replace(args, **{_checkpointing_name(): False}), seq_len=seq_len)
+    searched = _step(model, args, seq_len, (False, None), mixed=user.precision != "fp32")
 
     def confirm(config: Config) -> Estimate:
-        return estimate_training_args(model, _replaced(args, config), seq_len=seq_len, device=dev)
+        kw = settings(config)
+        name = _checkpointing_name()
+        wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), mixed=config.precision != "fp32")
+        return _with_loader(wl, config.replace(activation_checkpoint="none"), dev)
 
     plans, errors = [], []
     for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed))]):
         try:
-            plans.append(plan_runnable(searched, global_batch, runs, stack="Trainer", confirm=confirm, budget=limit,
+            plans.append(plan_runnable(searched if precision == user.precision else
+                                       _step(model, args, seq_len, (False, None), mixed=precision != "fp32"),
+                                       user.global_batch, runs, stack="Trainer", confirm=confirm, budget=limit,
                                        device=dev, precision=precision, offload_activations=False,
                                        offload_optimizer=False))
         except PlanError as e:
             errors.append(e)
     if not plans:
         raise errors[0]
-    best = min(plans, key=lambda p: p.step_seconds)
-    return _replaced(args, best.config), best
-
-
-def _replaced(args, config: Config):
-    """A copy of `args` that runs `config`; Trainer's own batch-size search is off (the plan replaces it)."""
-    with warnings.catch_warnings():  # the deprecated alias is mirrored by TrainingArguments itself
-        warnings.simplefilter("ignore", FutureWarning)
-        return dataclasses.replace(args, auto_find_batch_size=False, **settings(config))
+    return min(plans, key=lambda p: p.step_seconds)
 
 
 def emit(config: Config, style: str) -> str:
@@ -301,3 +323,57 @@ def _json(value: dict) -> str:
     import json
 
     return json.dumps(value)
+
+
+def __getattr__(name: str):
+    """`MemfitCallback` is made when first asked for: it subclasses transformers' TrainerCallback, and this
+    module must import without transformers (`memfit plan --emit`)."""
+    if name == "MemfitCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _callback_class():
+    transformers = _transformers()
+
+    class MemfitCallback(transformers.TrainerCallback):
+        """Plans at `on_init_end`, before `train()` builds the dataloader, optimizer and checkpointing, and sets
+        the arguments that can still change there: the per-device batch size, accumulation (the global batch
+        kept) and activation checkpointing; precision was fixed when Trainer was built, so it is kept. On a GPU
+        it compares the measured peak of the first `check_steps` steps with the prediction and warns when they
+        differ by more than `tolerance`. `.plan` holds the plan.
+
+        Example::
+
+            Trainer(model=model, args=args, train_dataset=data,
+                    callbacks=[MemfitCallback(seq_len=2048, budget="70GiB")]).train()
+        """
+
+        def __init__(self, *, seq_len: int, budget=None, device: str | None = None, check_steps: int = 3,
+                     tolerance: float = 0.05):
+            self.seq_len, self.budget, self.device = seq_len, budget, device
+            self.check_steps, self.tolerance = check_steps, tolerance
+            self.plan: Plan | None = None
+
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            self.plan = _fit(model, args, self.seq_len, self.device, self.budget, ())
+            for key, value in {**settings(self.plan.config), "auto_find_batch_size": False}.items():
+                setattr(args, key, value)
+            name = _checkpointing_name()
+            if name != "gradient_checkpointing":  # the deprecated alias mirrors the new name, as __post_init__ does
+                args.gradient_checkpointing = getattr(args, name)
+                args.gradient_checkpointing_kwargs = getattr(args, f"{name}_kwargs")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            est = self.plan.estimate if self.plan is not None else None
+            if not torch.cuda.is_available() or est is None or est.peak_allocated_bytes is None \
+                    or state.global_step != self.check_steps:
+                return
+            measured, predicted = torch.cuda.max_memory_allocated(), est.peak_allocated_bytes
+            if abs(measured - predicted) > self.tolerance * predicted:
+                warnings.warn(f"memfit predicted a peak of {fmt_bytes(predicted)} allocated; the first "
+                              f"{self.check_steps} steps measured {fmt_bytes(measured)} "
+                              f"({(measured - predicted) / predicted:+.1%})", stacklevel=2)
+
+    return MemfitCallback
