@@ -620,3 +620,21 @@ def test_a_candidate_its_full_estimate_refutes_is_never_offered(gpt, monkeypatch
     assert not any(a.config.micro_batch == 16 and a.confirmed for a in p.alternatives)
     assert any("micro-batch 16" in f and "full estimate needs" in v for f, v in p.families)
     assert all(a["peak_bytes"] <= usable for a in p.to_dict()["alternatives"])
+
+
+def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
+    """progress_to: past its delay every stage reports its traces as they end; before it, nothing."""
+    from memfit.planner.search import progress_to
+
+    lines = []
+    with progress_to(lines.append, after=0):
+        plan(gpt, 16, budget="1GiB", profile=FLAT)
+    assert lines[0].startswith("weights, gradients and optimizer state of ") and lines[0].endswith("0 of 1 traced")
+    probing = [line for line in lines if line.startswith("probing ")]
+    total = int(probing[0].split(" families")[0].split()[-1])
+    assert probing[-1].endswith(f"{total} of {total} traced")
+    assert any(line.startswith("confirming the ") for line in lines)
+    quiet = []
+    with progress_to(quiet.append, after=3600):
+        plan(gpt, 16, budget="1GiB", profile=FLAT)
+    assert quiet == []

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from memfit import __version__
@@ -729,6 +731,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _progress_line():
+    """A plan that traces for more than 2 s says what it traces on stderr: one line rewritten in place on a
+    terminal, a line per stage (and at most one every 5 s) otherwise; the line is cleared when it ends."""
+    from memfit.planner.search import progress_to
+
+    tty = sys.stderr.isatty()
+    last = {"stage": None, "at": 0.0, "shown": False}
+
+    def write(text: str) -> None:
+        stage = text.rpartition(":")[0]
+        now = time.monotonic()
+        if tty:
+            sys.stderr.write(f"\r\033[Kmemfit: {text}")
+        elif stage != last["stage"] or now - last["at"] >= 5:
+            sys.stderr.write(f"memfit: {text}\n")
+        else:
+            return
+        sys.stderr.flush()
+        last.update(stage=stage, at=now, shown=True)
+
+    try:
+        with progress_to(write):
+            yield
+    finally:
+        if tty and last["shown"]:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = False
@@ -736,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv = list(argv)
         debug = args.debug
-        return args.fn(args)
+        with _progress_line() if args.fn in (cmd_plan, cmd_train) else contextlib.nullcontext():
+            return args.fn(args)
     except KeyboardInterrupt as e:  # a run says which checkpoint it wrote or left intact
         print(f"memfit: {e}" if str(e) else "memfit: interrupted", file=sys.stderr)
         return 130

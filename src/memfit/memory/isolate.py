@@ -33,9 +33,11 @@ def run_isolated(fn: Callable[[], T]) -> T:
     return value
 
 
-def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[tuple[str, object]]:
+def run_isolated_many(fns: list[Callable], workers: int | None = None,
+                      on_done: Callable[[], None] | None = None) -> list[tuple[str, object]]:
     """Run each fn in its own forked child, `workers` at a time (fake tracing is single-threaded Python,
-    so children use the cores in parallel). Returns ("ok", result) or ("error", exception) per fn."""
+    so children use the cores in parallel). Returns ("ok", result) or ("error", exception) per fn;
+    `on_done` is called as each child ends (a progress line)."""
     import_dynamo()  # fake tracing imports it on first use (~1 s): once here, not in every child
     workers = workers or os.cpu_count() or 1
     results: list = [None] * len(fns)
@@ -61,6 +63,8 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None) -> list[t
                 running[pid] = (i, path)
             pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
             i, path = running.pop(pid)
+            if on_done is not None:
+                on_done()
             if os.WIFSIGNALED(status):
                 sig = signal.Signals(os.WTERMSIG(status)).name
                 hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""

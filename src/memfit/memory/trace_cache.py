@@ -40,14 +40,19 @@ def folder() -> Path:
     return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit")) / "traces"
 
 
-def run_cached_many(fns: list[Callable], workers: int | None = None) -> list[tuple[str, object]]:
+def run_cached_many(fns: list[Callable], workers: int | None = None,
+                    on_done: Callable[[], None] | None = None) -> list[tuple[str, object]]:
     """`run_isolated_many`, with every call whose key can be made (a `functools.partial` of describable
     arguments) read from the cache when it is there and written to it when it succeeds."""
     keys = [key_of(fn) if enabled() else None for fn in fns]
     results: list = [_load(k) if k else None for k in keys]
     missing = [i for i, r in enumerate(results) if r is None]
+    for _ in range(len(fns) - len(missing)):
+        if on_done is not None:
+            on_done()
     if missing:
-        for i, result in zip(missing, run_isolated_many([fns[i] for i in missing], workers=workers)):
+        for i, result in zip(missing, run_isolated_many([fns[i] for i in missing], workers=workers,
+                                                        on_done=on_done)):
             results[i] = result
             if keys[i] and result[0] == "ok":
                 _store(keys[i], result)

@@ -14,9 +14,13 @@ the ranking rests on that: every configuration offered is confirmed by a full es
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+import time
+from typing import Callable
 
 import torch
 
@@ -33,6 +37,37 @@ from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
+
+_REPORT: contextvars.ContextVar = contextvars.ContextVar("memfit_plan_progress", default=None)
+
+
+@contextlib.contextmanager
+def progress_to(write: Callable[[str], None], after: float = 2.0):
+    """While the plans inside run, tell `write` what is being traced and how many traces of it are done, once
+    they have taken `after` seconds (a plan read from the trace cache says nothing)."""
+    token = _REPORT.set((write, time.monotonic() + after))
+    try:
+        yield
+    finally:
+        _REPORT.reset(token)
+
+
+class _Stage:
+    """One stage of a plan's tracing, for `progress_to`: `done` is called as each of its traces ends."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.count = what, total, 0
+        self._say()
+
+    def done(self) -> None:
+        self.count += 1
+        self._say()
+
+    def _say(self) -> None:
+        report = _REPORT.get()
+        if report is not None and time.monotonic() >= report[1]:
+            report[0](f"{self.what}: {self.count} of {self.total} traced")
+
 
 MARGIN = 0.05  # of the budget, kept free for what no trace sees: allocator growth, kernel workspaces
 LOSS_CHUNKS = 8  # pieces a chunked loss is searched with (torchtune's choice for its chunked output)
@@ -476,7 +511,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
     # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
     states = list({_state_key(b): b for b in bases}.values())
-    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1)
+    stage = _Stage(f"weights, gradients and optimizer state of {len(states)} families", 1)
+    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1,
+                                      on_done=stage.done)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
@@ -529,7 +566,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             then, now = outside_tensors(dev, at), outside_tensors(dev, b)
             reused[b] = _AtCount(fam, at, b, (floor - then, floors[_state_key(b)] - now), now - then)
     fresh = [b for b in bases if b not in reused]
-    results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth)))
+    results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth, "probing")))
     failed = []
 
     def take(base: Config, kind: str, value) -> None:
@@ -572,7 +609,8 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         smallest_need[name] = forward
         verdicts.append((name, f"does not fit: its forward pass alone needs about {fmt_bytes(forward)} at "
                                f"micro-batch {per_rank}, over by {fmt_bytes(forward - usable)} (not traced)"))
-    for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth)):
+    for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth,
+                                                          "probing, with the optimizer step in backward,")):
         take(base, kind, value)
     if failed and not families:  # every family failed: that is the answer, unless fp32 was left out
         base, error = failed[0]
@@ -632,7 +670,10 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     queue = list(candidates)
     while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
         batch, queue = queue[:confirm], queue[confirm:]
-        results = run_cached_many([functools.partial(full_probe, workload, c.config, dev) for c in batch])
+        stage = _Stage(f"confirming the {len(confirmed) + len(batch)} fastest of {len(candidates)} candidates by "
+                       "full estimates", len(batch))
+        results = run_cached_many([functools.partial(full_probe, workload, c.config, dev) for c in batch],
+                                  on_done=stage.done)
         for cand, (kind, value) in zip(batch, results):
             label = _family_name(cand.config) + f", micro-batch {cand.config.micro_batch}"
             if kind != "ok":  # not offered; the next candidate is confirmed instead
@@ -876,15 +917,20 @@ def _untried(workload: Workload, allowed: frozenset, adapted: bool, dev: Device,
     return out
 
 
-def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth: int | None) -> list:
+def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth: int | None, doing: str) -> list:
     """Each base's family as ("ok", family) or ("error", exception): the whole model's probe pair, or for a
-    deep model (`depth`) the pairs of its two shallow copies."""
+    deep model (`depth`) the pairs of its two shallow copies. `doing`: the stage's words for progress."""
+    if not bases:
+        return []
     if not depth:
+        stage = _Stage(f"{doing} {len(bases)} families", len(bases))
         return [(kind, _Family(base, *value) if kind == "ok" else value)
                 for base, (kind, value) in zip(bases, run_cached_many(
-                    [functools.partial(probe_pair, workload, b, dev) for b in bases]))]
+                    [functools.partial(probe_pair, workload, b, dev) for b in bases], on_done=stage.done))]
     copies = [shallow(workload, keep) for keep in DEPTHS]
-    traced = run_cached_many([functools.partial(probe_pair, c, b, dev) for b in bases for c in copies])
+    stage = _Stage(f"{doing} {len(bases)} families as copies of {DEPTHS[0]} and {DEPTHS[1]} blocks", 2 * len(bases))
+    traced = run_cached_many([functools.partial(probe_pair, c, b, dev) for b in bases for c in copies],
+                             on_done=stage.done)
     out = []
     for i, base in enumerate(bases):
         (k1, v1), (k2, v2) = traced[2 * i], traced[2 * i + 1]
