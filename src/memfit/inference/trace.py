@@ -15,13 +15,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 
 import torch
 
 from memfit.errors import ConfigError
 from memfit.inference.kv import head_size, layer_kinds
 from memfit.memory.fake import FakeBuild, new_fake_mode, quiet_fake_errors
-from memfit.memory.tracker import LiveBytes
+from memfit.memory.routing import Routing
+from memfit.memory.tracker import LiveBytes, PlainPaths
+from memfit.torch_internals import DataDependentOutputException, TorchDispatchMode
+from memfit.workloads.hf import masks_as_in_a_real_run
 
 PROFILE_ATTENTION = "memfit_profile"
 
@@ -167,3 +171,64 @@ def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.d
     if tp > 1:
         notes.append(f"per rank of {tp}: attention heads and MLP width divided, logits gathered whole for the sampler")
     return Traced(tracker.peak - base, layers, notes)
+
+
+class _RunsToTheEnd(TorchDispatchMode):
+    """`generate` reads values fake tensors lack: whether every sequence has finished (its stop check, once a
+    token) and whether the prompt holds negative ids. Answered as a run that generates all `new_tokens`
+    (no end-of-sequence token before then: the longest, largest run): the stop check says "not finished"
+    until the last token, every other read "no"."""
+
+    def __init__(self, new_tokens: int):
+        super().__init__()
+        self.new_tokens = new_tokens
+        self.checks = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            if _in_stop_check():
+                self.checks += 1
+                return self.checks >= self.new_tokens
+            return False if args[0].dtype is torch.bool else 0
+
+
+def _in_stop_check() -> bool:
+    """Whether the value is read by the stopping check called from generate's decoding loop (`_sample`)."""
+    frame, callee = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_code.co_name == "_sample":
+            return callee == "__call__"
+        callee, frame = frame.f_code.co_name, frame.f_back
+    return False
+
+
+def generate_peak(config, batch: int, prompt: int, new_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """Peak live bytes of `model.generate` (greedy, transformers' dynamic cache) on `batch` prompts of `prompt`
+    tokens generating `new_tokens` each, weights and prompts included: the real `generate` run on fake tensors."""
+    mode = new_fake_mode()
+    with mode, quiet_fake_errors(), _quiet_transformers():
+        with FakeBuild(mode):
+            model = _build(config, dtype, "sdpa")
+        model.eval()
+        router = Routing()
+        with router:
+            ids = torch.ones(batch, prompt, dtype=torch.long)  # no pad token (0): every row full
+        tracker = LiveBytes("cpu", detail=False)
+        tracker.track(list(model.parameters()) + list(model.buffers()) + [ids])
+        tracker.plain = PlainPaths()  # what a run without dispatch modes makes in place (SDPA's mask add)
+        # the prompt's and the attention mask's values ride beside the fake tensors (Routing's shadows), so
+        # transformers leaves out the causal mask where the real run does (no padding)
+        with torch.no_grad(), masks_as_in_a_real_run(), router, tracker, tracker.plain, _RunsToTheEnd(new_tokens):
+            model.generate(ids, **generate_options(new_tokens))
+        tracker.close()
+    return tracker.peak
+
+
+def generate_options(new_tokens: int) -> dict:
+    """What memfit generates with, traced and measured alike: greedy, exactly `new_tokens` tokens."""
+    return dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                attention_mask=None)

@@ -132,7 +132,7 @@ def _cached_hub_config(repo_id: str) -> Path:
 
 
 @contextlib.contextmanager
-def _masks_as_in_a_real_run():
+def masks_as_in_a_real_run():
     """transformers leaves out an attention mask where SDPA's causal flag, or no mask at all, does the same,
     after reading the padding mask, the position ids or the cache's offset; it does not read a fake tensor
     (`is_tracing`), and under memfit's trace it built masks the real run skips: a T x T mask for packed rows
@@ -358,12 +358,12 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
         if task == "causal" and loss_chunks() > 1:  # the model's own loss would make all the logits
             rest = {k: v for k, v in b.items() if k != "labels"}
-            with _masks_as_in_a_real_run():
+            with masks_as_in_a_real_run():
                 return chunked_cross_entropy(lambda: m(**rest), m.get_output_embeddings(), b["labels"],
                                              logits=lambda out: out.logits, shift=True)
         if task == "image-text" and "image_grid_thw" in b:  # kept per row: the model takes all images' patch rows
             b = {**b, "pixel_values": b["pixel_values"].flatten(0, 1)}
-        with _masks_as_in_a_real_run():
+        with masks_as_in_a_real_run():
             out = m(**b, return_loss=True) if task == "contrastive" else m(**b)
         if getattr(out, "loss", None) is None:
             raise WorkloadError(f"hf: {type(m).__name__} returns no loss to train")
