@@ -54,7 +54,8 @@ def vllm_defaults(device: Device) -> tuple[int, int]:
     return (8192, 1024) if device.memory_bytes >= HIGH_MEMORY else (2048, 256)
 
 
-def _config(model):
+def model_config(model):
+    """The transformers config `model` names (hf: prefix optional), as a ConfigError where it cannot be read."""
     from memfit.workloads.hf import load_config
 
     name = model[3:] if isinstance(model, str) and model.startswith("hf:") else model
@@ -90,7 +91,7 @@ def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_
     if dev.kind != "cuda":
         raise ConfigError(f"serving engines size their cache on a GPU; name one (--device h100), not {dev.name} "
                           "(`memfit infer --run` generates on this CPU)")
-    config = _config(model)
+    config = model_config(model)
     positions = getattr(config, "max_position_embeddings", None)
     max_model_len = max_model_len or positions
     if positions and max_model_len > positions:

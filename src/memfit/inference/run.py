@@ -1,0 +1,70 @@
+"""`memfit infer --run`: transformers' continuous batching on this CPU with the cache memfit plans.
+
+The plan: enough blocks for every request at its full length (transformers' paged geometry, engines.py), so no
+request waits or is preempted. The run: `generate_batch` on a model built from the config with random weights
+(toy sizes are the point: any CPU), greedy, every request generating all its tokens. What is checked: the
+cache tensor transformers allocates against memfit's figure for it (to the byte), and every request served.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from memfit.errors import ConfigError
+from memfit.inference import engines, kv
+from memfit.inference.serve import model_config
+from memfit.units import fmt_bytes
+
+NEW_TOKENS = 16
+
+
+def planned_blocks(config, requests: int, context: int) -> tuple[engines.PagedGeometry, int]:
+    """transformers' geometry for `config` and the model blocks that hold `requests` requests of `context`
+    tokens each at once."""
+    geometry = engines.paged_geometry(kv.layer_caches(config, "float32"))
+    return geometry, requests * geometry.blocks_for(context)
+
+
+def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
+    """Serve `requests` prompts of `context - 16` tokens, 16 new tokens each, with generate_batch on the CPU."""
+    import transformers
+
+    if context <= NEW_TOKENS:
+        raise ConfigError(f"--context {context} leaves no prompt before the {NEW_TOKENS} generated tokens")
+    config = model_config(model)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and context > positions:
+        raise ConfigError(f"--context {context:,} is longer than the model's {positions:,} positions")
+    geometry, blocks = planned_blocks(config, requests, context)
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = torch.randint(1, config.vocab_size, (requests, context - NEW_TOKENS)).tolist()
+    cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=requests * context)
+    generation = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    caches = []
+    keep = transformers.generation.continuous_batching.cache.PagedAttentionCache.__init__
+
+    def seen(self, *args, **kwargs):  # the engine's own cache object, to read its tensor's size
+        keep(self, *args, **kwargs)
+        caches.append(self)
+
+    transformers.generation.continuous_batching.cache.PagedAttentionCache.__init__ = seen
+    try:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = net.generate_batch(prompts, generation_config=generation, continuous_batching_config=cb,
+                                     warmup=False)
+        seconds = time.perf_counter() - start
+    finally:
+        transformers.generation.continuous_batching.cache.PagedAttentionCache.__init__ = keep
+    served = sum(len(o.generated_tokens) == NEW_TOKENS for o in out.values())
+    real = caches[0].cache_tensor.nbytes
+    planned = geometry.cache_bytes(blocks)
+    summary = (f"{requests} requests of {context:,} tokens on this CPU: {served} served in full in {seconds:.2f} s; "
+               f"num_blocks={blocks} (ContinuousBatchingConfig(num_blocks={blocks}, max_batch_tokens="
+               f"{requests * context})): cache tensor {fmt_bytes(real)}, memfit's figure {fmt_bytes(planned)}"
+               + (" (equal)" if real == planned else f" (differs by {real - planned:+,} B)"))
+    return {"requests": requests, "context": context, "served": served, "num_blocks": blocks,
+            "cache_bytes": real, "planned_cache_bytes": planned, "seconds": seconds, "summary": summary}

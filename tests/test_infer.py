@@ -1,0 +1,206 @@
+"""Serving memory (`memfit infer`): KV bytes per layer kind stated by hand from each engine's formula, vLLM's
+block arithmetic, published vLLM start-up logs, transformers' generate against the profiler, and the errors."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from memfit.cli import main  # noqa: E402
+from memfit.errors import ConfigError, PlanError  # noqa: E402
+from memfit.inference import engines, kv  # noqa: E402
+from memfit.inference.serve import infer, inverse, model_config  # noqa: E402
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+GiB = 2**30
+
+
+def cfg(name):
+    return model_config(f"hf:{CONFIGS / name}.json")
+
+
+def model(name):
+    return f"hf:{CONFIGS / name}.json"
+
+
+# ------------------------------------------------------------------------------------ KV bytes by hand
+
+def test_dense_gqa_counts_kv_heads_not_attention_heads():
+    caches = kv.layer_caches(cfg("llama-3.1-8b"))
+    # 32 layers x 8 KV heads x (128 + 128) x 2 bytes; the naive formula's 32 attention heads are 4x that
+    assert kv.bytes_per_token(caches) == 32 * 8 * 256 * 2 == 131_072
+    assert kv.naive_bytes_per_token(cfg("llama-3.1-8b")) == 4 * 131_072
+    assert caches[0].page_bytes(16) == 16 * 8 * 256 * 2  # vLLM's FullAttentionSpec page
+    assert kv.bytes_per_token(kv.layer_caches(cfg("llama-3.1-8b"), "fp8")) == 32 * 8 * 256 * 1
+    assert kv.bytes_per_token(kv.layer_caches(cfg("llama-3.1-8b"), tp=2)) == 32 * 4 * 256 * 2
+    # more ranks than KV heads: each rank holds one whole head, replicated
+    assert kv.bytes_per_token(kv.layer_caches(cfg("llama-3.1-70b"), tp=16)) == 80 * 1 * 256 * 2
+
+
+def test_mla_caches_one_latent_that_tensor_parallelism_does_not_split():
+    for tp in (1, 8):
+        caches = kv.layer_caches(cfg("deepseek-v3"), tp=tp)
+        assert {c.kind for c in caches} == {kv.MLA}
+        # 61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes: no K and V, no heads
+        assert kv.bytes_per_token(caches) == 61 * 576 * 2 == 70_272
+        assert caches[0].page_bytes(16) == 16 * 576 * 2  # vLLM's MLAAttentionSpec page
+
+
+def test_sliding_windows_keep_their_window_and_the_batch():
+    gemma = kv.layer_caches(cfg("gemma-3-27b"))
+    assert [c.kind for c in gemma[:6]] == [kv.SLIDING] * 5 + [kv.FULL]  # Gemma 3's 5:1 interleaving
+    assert sum(c.kind == kv.FULL for c in gemma) == 10 and sum(c.kind == kv.SLIDING for c in gemma) == 52
+    full, sliding = gemma[5], gemma[0]
+    # pages of a 32,768-token request with 8,192 tokens batched: a full layer every token, a sliding layer
+    # cdiv(min(1024 - 1 + 8192, 32768), 16) + 1 (vLLM's SlidingWindowSpec)
+    assert full.pages(32_768, 16, 8192) == 2048
+    assert sliding.pages(32_768, 16, 8192) == -(-9215 // 16) + 1 == 577
+    # averaged over that request: 10 full layers hold every token, 52 sliding ones 9,215 of them
+    per_layer = 16 * 256 * 2
+    assert kv.bytes_per_token(gemma, 32_768, 8192) == pytest.approx((10 * 32_768 + 52 * 9215) * per_layer / 32_768)
+    mistral = kv.layer_caches(cfg("mistral-7b-v0.1"))
+    assert {c.kind for c in mistral} == {kv.SLIDING} and mistral[0].window == 4096
+    assert mistral[0].pages(32_768, 16, 2048) == -(-(4095 + 2048) // 16) + 1 == 385
+
+
+def test_hybrid_mamba_state_and_vllm_page_alignment():
+    bamba = cfg("bamba-9b")
+    caches = kv.layer_caches(bamba)
+    assert sum(c is not None and c.kind == kv.MAMBA for c in caches) == 29
+    # Mamba2 state: conv (4 - 1) x (128 x 64 + 2 x 1 x 128) and SSM 128 heads x 64 x 128, 2 bytes each
+    state = (3 * (128 * 64 + 2 * 128) + 128 * 64 * 128) * 2
+    assert state == 2_147_840 and caches[0].state_bytes == state
+    layout = engines.vllm_layout(caches)
+    # attention block: the smallest multiple of 16 tokens whose page (4,096 B a token) holds the state
+    assert layout.block_size == 16 * -(-state // (16 * 4096)) == 528
+    assert layout.page_bytes == 528 * 4096
+    # 3 attention layers set the group size: 29 Mamba layers make 10 groups (one padded), attention 1
+    assert layout.group_size == 3 and len(layout.groups) == 11
+    assert layout.blocks_per_request(32_768, 2048) == -(-32_768 // 528) + 10
+
+
+def test_vllm_groups_blocks_tokens_and_concurrency_by_hand():
+    layout = engines.vllm_layout(kv.layer_caches(cfg("gemma-3-27b")))
+    assert layout.group_size == 10 and len(layout.groups) == 1 + 6  # 52 sliding layers: 6 groups of 10
+    page = 16 * 16 * 256 * 2
+    available = 20 * GiB
+    blocks = layout.num_blocks(available)
+    assert blocks == available // page // 10
+    assert layout.tokens(blocks) == blocks // 7 * 16
+    assert layout.blocks_per_request(32_768, 8192) == 2048 + 6 * 577
+    uniform = engines.vllm_layout(kv.layer_caches(cfg("llama-3.1-8b")))
+    assert uniform.group_size == 32 and len(uniform.groups) == 1
+    assert uniform.tokens(uniform.num_blocks(available)) == available // (16 * 131_072) * 16
+
+
+# ------------------------------------------------------------------------------- published vLLM logs
+
+def test_published_rtx_3090_row():
+    """vllm-project/vllm#10517: Llama-3.1-8B-Instruct on an RTX 3090, max_model_len 20000 (V0: the profile run
+    batches 20,000 tokens over 256 sequences): "Loading model weights took 14.9888 GB", kv_cache_size 3.81 GiB,
+    1952 blocks, "Maximum concurrency for 20000 tokens per request: 1.56x"."""
+    r = infer(model("llama-3.1-8b"), "rtx-3090", max_model_len=20_000, max_num_batched_tokens=20_000,
+              max_num_seqs=256)
+    assert r.weights_bytes / GiB == pytest.approx(14.9888, rel=0.02)
+    assert r.kv_cache_bytes / GiB == pytest.approx(3.81, rel=0.10)
+    assert r.kv_cache_tokens == pytest.approx(1952 * 16, rel=0.10)
+    assert r.max_concurrency == pytest.approx(1.56, rel=0.10)
+    # the same user's 29,000: vLLM refused it ("larger than ... (23648)"); memfit refuses it and names the length
+    with pytest.raises(PlanError, match=r"longest that fits is 2[1-6],\d{3} tokens"):
+        infer(model("llama-3.1-8b"), "rtx-3090", max_model_len=29_000, max_num_batched_tokens=29_000, max_num_seqs=256)
+
+
+def test_published_70b_w8a8_row():
+    """vllm-project/vllm#12569: Llama-3.1-70B-Instruct quantized.w8a8 (int8) on an H100 at 0.98, max_model_len 2048:
+    "Loading model weights took 67.7229 GB", "# GPU blocks: 1381", "Maximum concurrency ... 10.79x"."""
+    r = infer(model("llama-3.1-70b"), "h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8")
+    assert r.weights_bytes / GiB == pytest.approx(67.7229, rel=0.02)
+    assert r.num_blocks == pytest.approx(1381, rel=0.10)
+    assert r.max_concurrency == pytest.approx(10.79, rel=0.10)
+
+
+# ------------------------------------------------------------------------------------- what fits
+
+def test_inverse_finds_the_smallest_utilization():
+    answer = inverse(model("llama-3.1-8b"), 32, 4096, device="h100")
+    u = answer["gpu_memory_utilization"]
+    assert answer["kv_cache_dtype"] == "auto" and answer["tp"] == 1
+    assert infer(model("llama-3.1-8b"), "h100", max_model_len=4096, gpu_memory_utilization=u,
+                 max_num_seqs=32).max_concurrency >= 32
+    assert infer(model("llama-3.1-8b"), "h100", max_model_len=4096, gpu_memory_utilization=round(u - 0.01, 2),
+                 max_num_seqs=32).max_concurrency < 32
+
+
+def test_tensor_parallel_halves_weights_and_kv_per_rank():
+    one = infer(model("llama-3-8b"), "h100", max_num_batched_tokens=8192, max_num_seqs=256)
+    two = infer(model("llama-3-8b"), "h100", max_num_batched_tokens=8192, max_num_seqs=256, tp=2)
+    # vllm-project/vllm#10511: "model weights take 14.96GiB", with -tp 2 "7.48GiB" per rank
+    assert one.weights_bytes / GiB == pytest.approx(14.96, rel=0.02)
+    assert two.weights_bytes / GiB == pytest.approx(7.48, rel=0.02)
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-model-len", "200000"], "longest it takes is --max-model-len 131072"),
+    (["--engine", "tgi"], "memfit models vllm and transformers"),
+    (["--device", "rtx-4090", "--tp", "1"], "try --tp"),
+])
+def test_bad_input_is_one_line(argv, words, capsys):
+    name = "llama-3.1-70b" if "rtx-4090" in argv else "llama-3.1-8b"
+    assert main(["infer", model(name), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_json_has_the_figures(capsys):
+    import json
+
+    assert main(["infer", model("llama-3.1-8b"), "--max-model-len", "8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("weights_bytes", "activation_bytes", "kv_cache_bytes", "kv_cache_tokens", "max_concurrency"):
+        assert out[key] > 0
+    assert out["kv_cache_tokens"] == out["num_blocks"] * 16
+
+
+def test_a_gpu_is_needed_for_engine_sizing():
+    with pytest.raises(ConfigError, match="name one"):
+        infer(model("llama-3.1-8b"), "cpu")
+
+
+# --------------------------------------------------------------------------- transformers on this CPU
+
+def test_generate_peak_matches_the_profiler():
+    """transformers' generate with a dynamic cache, traced on fake tensors, against the profiler's peak of the real
+    run (fp32 toy Llama): within 1% (BENCHMARKS.md has three models at three points each)."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from truth import profiler_peak
+
+    from memfit.inference.trace import generate_options, generate_peak
+
+    config = model_config("hf:llama")
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, config.vocab_size, (4, 64))
+
+    def run():
+        with torch.no_grad():
+            net.generate(ids, **generate_options(16))
+
+    assert generate_peak(config, 4, 64, 16) == pytest.approx(profiler_peak(run), rel=0.01)
+
+
+def test_run_allocates_the_planned_cache(capsys):
+    assert main(["infer", "hf:llama", "--run", "--concurrency", "2", "--context", "64", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["served"] == 2
+    assert out["cache_bytes"] == out["planned_cache_bytes"]
