@@ -1,0 +1,120 @@
+"""Serving memory: transformers' generate on fake tensors vs the profiler, memfit infer vs published vLLM start-up
+logs, and how long `memfit infer` takes.
+
+    python benchmarks/infer.py [--out benchmarks/results/infer.json]   # about 2 minutes on 2 cores
+
+1. `generate` (greedy, dynamic cache) of toy Llama, Qwen2 and a sliding-window Mistral (window 32, shorter than
+   the prompts), fp32, at three batch x prompt x new-token points: memfit's traced peak against the profiler's
+   peak of the real run (benchmarks/truth.py: the memory timeline's running sum, weights and prompts included).
+2. Published vLLM logs, each row's settings as its log gives them: weights ("Loading model weights took",
+   "model weights take") and the KV cache ("kv_cache_size", "# GPU blocks", "available_kv_cache_memory").
+3. Wall time of the `memfit infer` command (a fresh process: imports included) for Llama 3.1 8B and 70B on an H100.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+if (HERE.parent / "src" / "memfit").is_dir():
+    sys.path.insert(0, str(HERE.parent / "src"))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from memfit.inference.serve import infer, model_config  # noqa: E402
+from memfit.inference.trace import generate_options, generate_peak  # noqa: E402
+from truth import profiler_peak  # noqa: E402
+
+CONFIGS = HERE.parent / "tests" / "data" / "hf_configs"
+GiB = 2**30
+POINTS = [(1, 16, 8), (4, 64, 16), (8, 128, 32)]
+
+# (source, model config, infer settings, published figures). GiB figures as the logs print them ("GB" in vLLM's
+# older logs is GiB: 14.9888 = 8,030,261,248 bf16 parameters plus the 32 MiB rotary table, / 2**30).
+ROWS = [
+    ("https://github.com/vllm-project/vllm/issues/10517 (V0, RTX 3090, --max-model-len 20000)", "llama-3.1-8b",
+     dict(device="rtx-3090", max_model_len=20000, max_num_batched_tokens=20000, max_num_seqs=256),
+     dict(weights=14.9888, kv=3.81, blocks=1952, concurrency=1.56)),
+    ("https://github.com/vllm-project/vllm/issues/10517 (V0, RTX 3090, --max-model-len 29000, which vLLM then refused: "
+     "the profile run of 29,000 tokens left 1478 blocks; memfit's figures for that run, its max_model_len check "
+     "left out here)", "llama-3.1-8b",
+     dict(device="rtx-3090", max_model_len=2048, max_num_batched_tokens=29000, max_num_seqs=256),
+     dict(weights=14.9888, kv=2.89, blocks=1478)),
+    ("https://github.com/vllm-project/vllm/pull/12569 (V1, H100, w8a8 int8, 0.98, --max-model-len 2048)",
+     "llama-3.1-70b", dict(device="h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8"),
+     dict(weights=67.7229, blocks=1381, concurrency=10.79)),
+    ("https://github.com/vllm-project/vllm/pull/10511 (V0, H100, Meta-Llama-3-8B)", "llama-3-8b",
+     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256),
+     dict(weights=14.96, kv=53.29)),
+    ("https://github.com/vllm-project/vllm/pull/10511 (V0, H100, Meta-Llama-3-8B -tp 2)", "llama-3-8b",
+     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256, tp=2),
+     dict(weights=7.48)),
+]
+
+
+def generate_rows() -> list[dict]:
+    toy = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
+    configs = {"llama": model_config("hf:llama"), "qwen2": model_config("hf:qwen2"),
+               "mistral (sliding window 32)": transformers.AutoConfig.for_model("mistral", sliding_window=32, **toy)}
+    rows = []
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        for batch, prompt, new in POINTS:
+            ids = torch.randint(1, config.vocab_size, (batch, prompt))
+
+            def run():
+                with torch.no_grad():
+                    net.generate(ids, **generate_options(new))
+
+            est, real = generate_peak(config, batch, prompt, new), profiler_peak(run)
+            rows.append(dict(model=name, batch=batch, prompt=prompt, new_tokens=new, estimate=est, profiler=real,
+                             error=(est - real) / real))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def published_rows() -> list[dict]:
+    out = []
+    for source, name, settings, published in ROWS:
+        r = infer(f"hf:{CONFIGS / name}.json", **settings)
+        mine = dict(weights=r.weights_bytes / GiB, kv=r.kv_cache_bytes / GiB, blocks=r.num_blocks,
+                    concurrency=r.max_concurrency)
+        row = dict(source=source, model=name, settings=settings, published=published,
+                   memfit={k: mine[k] for k in published},
+                   error={k: (mine[k] - v) / v for k, v in published.items()},
+                   activation_gib=r.activation_bytes / GiB)
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+def timings() -> list[dict]:
+    out = []
+    for name, extra in (("llama-3.1-8b", ["--max-model-len", "8192"]), ("llama-3.1-70b", ["--tp", "4"])):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "memfit.cli", "infer", f"hf:{CONFIGS / name}.json", "--device", "h100",
+                        "--json", *extra], check=True, capture_output=True)
+        out.append(dict(model=name, args=extra, seconds=time.perf_counter() - start))
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(HERE / "results" / "infer.json"))
+    args = parser.parse_args()
+    results = dict(date=time.strftime("%Y-%m-%d"), generate=generate_rows(), published=published_rows(),
+                   timings=timings())
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
