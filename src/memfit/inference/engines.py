@@ -166,8 +166,6 @@ def check_vllm_fits(layout: VllmLayout, budget: Budget, max_model_len: int, batc
 # ------------------------------------------------------------------------------- transformers' paged cache
 
 TRANSFORMERS_PAGE = 256   # ContinuousBatchingConfig.page_size: tokens per page
-TRANSFORMERS_MEMORY_PERCENT = 0.9  # max_memory_percent when None
-TRANSFORMERS_BATCH_TOKENS = 8192   # max_batch_tokens when None
 TRASH_SECTORS = 2
 
 

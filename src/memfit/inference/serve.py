@@ -19,7 +19,6 @@ ENGINES = ("vllm", "transformers")
 KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")
 NON_TORCH = 256 << 20       # kernels loaded by the first forward, outside PyTorch's allocator (assumed)
 HIGH_MEMORY = 70 << 30      # vLLM's server defaults differ above this device memory
-TABLE_CONCURRENCY = (1, 8, 32, 128, 512)
 TABLE_CONTEXTS = (2048, 8192, 32768, 131072)
 
 
@@ -40,7 +39,7 @@ class Inference:
     num_blocks: int
     block_size: int
     layers: str                # the layer kinds, in words
-    table: list = dataclasses.field(default_factory=list)  # [{"context", "concurrency": {n: fits}}]
+    table: list = dataclasses.field(default_factory=list)  # [{"context": L, "requests": how many of L fit at once}]
     flags: str = ""            # the command line that serves this
     notes: list = dataclasses.field(default_factory=list)
 
