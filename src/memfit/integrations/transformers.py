@@ -22,7 +22,7 @@ import torch
 
 from memfit.config import Config
 from memfit.errors import ConfigError, PlanError, WorkloadError
-from memfit.integrations.loops import plan_runnable, rebuilt, target, used
+from memfit.integrations.loops import plan_runnable, rebuilt, target
 from memfit.losses import chunking
 from memfit.memory.estimate import Category, Estimate, estimate
 from memfit.planner.search import Plan, check_allow
@@ -202,8 +202,9 @@ def _with_loader(wl: Workload, config: Config, device) -> Estimate:
         fields = dict(peak_bytes=est.peak_bytes + extra)
     else:
         extra = config.grad_accum * -(-micro // 512) * 512  # the caching allocator's 512-byte rounding
-        why = (f"the step's {config.grad_accum} micro-batch(es) and the next one on the GPU, as Accelerate's "
-               "dataloader places them when it fetches them (memfit's step copies one at a time)")
+        why = (f"{config.grad_accum + 1} micro-batches on the GPU (the step's {config.grad_accum} and the next "
+               "one), as Accelerate's dataloader places them when it fetches them, where memfit's step copies one "
+               "at a time (not yet checked on a GPU)")
         fields = {k: getattr(est, k) + extra for k in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                                                       "device_peak_bytes")}
     breakdown = dict(est.breakdown)
