@@ -43,6 +43,20 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": torch.where(chosen, ids, torch.full_like(ids, -100))}
 
 
+class FeatureRows(torch.utils.data.Dataset):
+    """Rows of `features` random numbers and a class label, made when read (the dataset holds no tensors)."""
+
+    def __init__(self, features: int, classes: int, rows: int = 4096):
+        self.features, self.classes, self.rows = features, classes, rows
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(self.features, generator=g), torch.randint(0, self.classes, (), generator=g)
+
+
 def trainer_peak(make_model, args, dataset, trainer_class=None, **trainer_kwargs) -> tuple[int, object]:
     """The peak of building `make_model()` and a Trainer (or `trainer_class`) on it and `args`, and
     `.train()`; with the trainer, for its state (global step, the batch sizes it ran)."""
