@@ -592,12 +592,8 @@ def cmd_list(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--version", action="version", version=f"memfit {__version__}", help="print the version")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_estimate_command(sub) -> None:
+    """`memfit estimate`: one step's peak for one configuration."""
     p = sub.add_parser("estimate", help="peak memory of one training step, traced on fake tensors")
     _add_workload_args(p)
     _add_config_args(p)
@@ -608,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
     p.set_defaults(fn=cmd_estimate)
 
+
+def _add_plan_command(sub) -> None:
+    """`memfit plan`: the search, the choices a user may fix, and what the answer is written as."""
     p = sub.add_parser("plan", help="the fastest configuration that fits a memory budget")
     _add_workload_args(p)
     p.add_argument("--global-batch", type=int, help="samples per optimizer step")
@@ -639,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_plan)
 
+
+def _add_train_command(sub) -> None:
+    """`memfit train`: the run, its checkpoints and resume, and where its ranks run."""
     p = sub.add_parser("train", help="run training: plan, recover from OOM, checkpoint, resume, report")
     p.add_argument("workload", nargs="?", default="sort",
                    help="as for estimate; default: a small GPT learning to sort digits")
@@ -677,6 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layout across ranks (default: fsdp)")
     p.set_defaults(fn=cmd_train)
 
+
+def _add_doctor_command(sub) -> None:
+    """`memfit doctor`: leaks in real steps, an allocator snapshot, an OOM message."""
     p = sub.add_parser("doctor", help="explain memory: leaks in a workload's real steps, a CUDA allocator "
                                       "snapshot (.pickle), or an out-of-memory message (--oom)")
     p.add_argument("target", nargs="?", help="a workload (watched for leaks) or a snapshot from "
@@ -689,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="the GPU: its context size for a snapshot, its catalogue entry for --oom")
     p.set_defaults(fn=cmd_doctor)
 
+
+def _add_infer_command(sub) -> None:
+    """`memfit infer`: serving memory as an engine sizes it."""
     p = sub.add_parser("infer", help="serving memory: KV cache tokens and concurrent requests that fit (vLLM), "
                                      "or a real continuous-batching run on this CPU (--run)")
     p.add_argument("model", help="hf:path/to/config.json, a cached Hub id (hf:org/name) or a model type (hf:llama)")
@@ -711,21 +719,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_infer)
 
+
+def _add_calibrate_command(sub) -> None:
+    """`memfit calibrate`: this machine's rates for the step-time model."""
     p = sub.add_parser("calibrate", help="measure this machine's device for the step-time model")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="this machine's CPU (default) or the GPU present")
     p.add_argument("--json", action="store_true", help="the profile as one JSON object on stdout")
     p.set_defaults(fn=cmd_calibrate)
 
+
+def _add_list_command(sub) -> None:
+    """`memfit list`: the built-ins and the GPU catalogue."""
     p = sub.add_parser("list", help="the built-in workloads and the GPU catalogue")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=cmd_list)
 
+
+def _add_summary_command(sub) -> None:
+    """`memfit summary`: the per-module table."""
     p = sub.add_parser("summary", help="per-module table: output shapes, parameters, saved activations, FLOPs")
     _add_workload_args(p)
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="the rows as one JSON list on stdout")
     p.set_defaults(fn=cmd_summary)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit", description="Fit a PyTorch training run into the memory you have.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}", help="print the version")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_estimate_command(sub)
+    _add_plan_command(sub)
+    _add_train_command(sub)
+    _add_doctor_command(sub)
+    _add_infer_command(sub)
+    _add_calibrate_command(sub)
+    _add_list_command(sub)
+    _add_summary_command(sub)
+
     for p in sub.choices.values():  # --debug anywhere on the line; SUPPRESS keeps `memfit --debug cmd` working
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
