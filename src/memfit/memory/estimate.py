@@ -331,46 +331,7 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             router.keep_built_values(step.model)
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
-        if workload.max_grad_norm is not None:
-            notes.append(f"gradients clipped to a total norm of {workload.max_grad_norm:g} before each optimizer step")
-        if cuda_target and _use_foreach(step.optimizer):
-            notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
-        if cuda_target and config.precision in ("fp16", "bf16") and not config.fsdp:
-            notes.append("mixed precision traced with CUDA autocast's op policy")
-        if config.gpus > 1:
-            how = ("DDP: whole model, gradients in DDP's all-reduced buckets (gradient_as_bucket_view), "
-                   "modelled as DDP's reducer fills them" if config.data_parallel == "ddp" else
-                   f"{config.data_parallel}, FSDP2 fully_shard of each repeated block and the root")
-            notes.append(f"per rank: rank 0 of {config.gpus} ({how}), traced with a fake process group" +
-                         ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
-                          if config.precision == "bf16" and config.fsdp else ""))
-            if cuda_target and config.fsdp:
-                notes.append("not modelled yet: the separate streams FSDP2 gathers and reduces on (the caching "
-                             "allocator is modelled as one stream's)")
-            else:
-                notes.append("not counted: what gloo allocates on its own threads (an all-gather's output-sized "
-                             "buffer while it runs; after an all-reduce, at times a bucket-sized one held to the "
-                             "next)")
-                notes.append(f"each rank runs {rank_threads()} intra-op thread(s) (OMP_NUM_THREADS, as `memfit train "
-                             "--gpus` starts them): kernel workspaces measured at that count")
-        if cuda_target:
-            notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
-                         "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
-                         "(assumed: sm80+ kernel choice, no cuDNN attention, no logsumexp or head padding); "
-                         "dropout keeps a 1-byte mask, as CUDA's fused dropout does")
-            fused = fused_elsewhere(step.model)
-            if fused:
-                notes.append(f"traced transformers' reference PyTorch path for {' and '.join(fused)}: what a GPU runs "
-                             "without those packages; with them installed it runs their fused kernels instead, "
-                             "whose memory is not modelled")
-        compiled = compiled_modules(step.model)
-        if compiled:
-            named = ", ".join(name or "the model" for name in compiled[:3]) + (", ..." if len(compiled) > 3 else "")
-            notes.append(f"torch.compile'd ({named}): traced as eager PyTorch runs it; inductor's compiled step "
-                         "keeps fewer tensors for backward (it recomputes cheap pointwise ops) and fuses "
-                         "temporaries away, so it may need less (a pointwise-heavy MLP on the CPU: half)")
-        if not cuda_target and (config.offload_activations or config.offload_optimizer):
-            notes.append("on a CPU device host and device memory are one: offloading only adds copies")
+        notes += _step_notes(workload, step, config, cuda_target)
         step.prime()
         # on fake tensors a later size starts from the buffers as built, whose values are known: I-BERT
         # reassigns its running minimum from activations every forward, so after one step they are not. Held
@@ -400,29 +361,80 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             if router is not None:
                 add_routing(p.estimate, router, (lambda: _measure(workload, step, dev, mode, draw(size),
                                                                   []).estimate) if routing_bound else None)
-                if router.ctc_targets:
-                    p.estimate.notes.append(f"CTC loss sized by the traced batch's longest target "
-                                            f"({max(router.ctc_targets)} labels): a batch with longer targets holds "
-                                            "more (log-alpha kept for backward, log-beta during it)")
-                if router.assumed_finite:
-                    p.estimate.notes.append("the model checks its values for NaN/inf, which fake tensors lack: "
-                                            "answered as all finite, the values of a step that trains")
-                if router.assumed_valid:
-                    p.estimate.notes.append("torch.distributions checks its arguments' values, which fake tensors "
-                                            "lack: answered as valid, as in a step that trains")
-            if scalars is not None and scalars.answered:
-                p.estimate.notes.append("the optimizer reads values of its tensors (.item()), which fake tensors "
-                                        "lack: traced with 1 in their place (in torch.optim they only scale the "
-                                        "update; ASGD's averaging weight is 1 until step t0)")
-            if draws is not None and draws.answered:
-                p.estimate.notes.append("single random numbers drawn in the step (LayerDrop: a layer is skipped "
-                                        "when its draw is below layerdrop) traced as just below 1: no layer "
-                                        "skipped, the step's largest memory; a real step skips some and holds less")
+            p.estimate.notes += _fake_notes(router, scalars, draws)
             if sizes != [config.rank_batch]:
                 p.estimate.config = config.replace(micro_batch=size, grad_accum=1).to_dict()
             results.append(p)
     return results
 
+
+def _step_notes(workload: Workload, step: TrainStep, config: Config, cuda_target: bool) -> list[str]:
+    """What a trace of this step assumes or models, said in its notes before any step runs."""
+    notes: list[str] = []
+    if workload.max_grad_norm is not None:
+        notes.append(f"gradients clipped to a total norm of {workload.max_grad_norm:g} before each optimizer step")
+    if cuda_target and _use_foreach(step.optimizer):
+        notes.append("optimizer uses its foreach kernels, PyTorch's default on CUDA")
+    if cuda_target and config.precision in ("fp16", "bf16") and not config.fsdp:
+        notes.append("mixed precision traced with CUDA autocast's op policy")
+    if config.gpus > 1:
+        how = ("DDP: whole model, gradients in DDP's all-reduced buckets (gradient_as_bucket_view), "
+               "modelled as DDP's reducer fills them" if config.data_parallel == "ddp" else
+               f"{config.data_parallel}, FSDP2 fully_shard of each repeated block and the root")
+        notes.append(f"per rank: rank 0 of {config.gpus} ({how}), traced with a fake process group" +
+                     ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
+                      if config.precision == "bf16" and config.fsdp else ""))
+        if cuda_target and config.fsdp:
+            notes.append("not modelled yet: the separate streams FSDP2 gathers and reduces on (the caching "
+                         "allocator is modelled as one stream's)")
+        else:
+            notes.append("not counted: what gloo allocates on its own threads (an all-gather's output-sized "
+                         "buffer while it runs; after an all-reduce, at times a bucket-sized one held to the "
+                         "next)")
+            notes.append(f"each rank runs {rank_threads()} intra-op thread(s) (OMP_NUM_THREADS, as `memfit train "
+                         "--gpus` starts them): kernel workspaces measured at that count")
+    if cuda_target:
+        notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
+                     "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
+                     "(assumed: sm80+ kernel choice, no cuDNN attention, no logsumexp or head padding); "
+                     "dropout keeps a 1-byte mask, as CUDA's fused dropout does")
+        fused = fused_elsewhere(step.model)
+        if fused:
+            notes.append(f"traced transformers' reference PyTorch path for {' and '.join(fused)}: what a GPU runs "
+                         "without those packages; with them installed it runs their fused kernels instead, "
+                         "whose memory is not modelled")
+    compiled = compiled_modules(step.model)
+    if compiled:
+        named = ", ".join(name or "the model" for name in compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+        notes.append(f"torch.compile'd ({named}): traced as eager PyTorch runs it; inductor's compiled step "
+                     "keeps fewer tensors for backward (it recomputes cheap pointwise ops) and fuses "
+                     "temporaries away, so it may need less (a pointwise-heavy MLP on the CPU: half)")
+    if not cuda_target and (config.offload_activations or config.offload_optimizer):
+        notes.append("on a CPU device host and device memory are one: offloading only adds copies")
+    return notes
+
+
+def _fake_notes(router, scalars, draws) -> list[str]:
+    """What fake tensors answered in a traced step for values they lack, said in its notes."""
+    notes: list[str] = []
+    if router is not None and router.ctc_targets:
+        notes.append(f"CTC loss sized by the traced batch's longest target ({max(router.ctc_targets)} labels): a "
+                     "batch with longer targets holds more (log-alpha kept for backward, log-beta during it)")
+    if router is not None and router.assumed_finite:
+        notes.append("the model checks its values for NaN/inf, which fake tensors lack: answered as all finite, the "
+                     "values of a step that trains")
+    if router is not None and router.assumed_valid:
+        notes.append("torch.distributions checks its arguments' values, which fake tensors lack: answered as valid, "
+                     "as in a step that trains")
+    if scalars is not None and scalars.answered:
+        notes.append("the optimizer reads values of its tensors (.item()), which fake tensors lack: traced with 1 in "
+                     "their place (in torch.optim they only scale the update; ASGD's averaging weight is 1 until "
+                     "step t0)")
+    if draws is not None and draws.answered:
+        notes.append("single random numbers drawn in the step (LayerDrop: a layer is skipped when its draw is below "
+                     "layerdrop) traced as just below 1: no layer skipped, the step's largest memory; a real step "
+                     "skips some and holds less")
+    return notes
 
 def _restore_buffers(built: list) -> None:
     for module, name, buffer in built:
