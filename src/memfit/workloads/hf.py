@@ -235,7 +235,7 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
     `seq` is the token length (default 128; for contrastive models the text model's positions, 77 for
     CLIP; image-text rows include the image's tokens), `target_seq` the decoder length for seq2seq
     (default seq), `image_size` the side of the images (default the config's, else 224)."""
-    transformers = _transformers()
+    _transformers()  # one clear line first where transformers is not installed
     cfg = load_config(config)
     task = task or pick_task(cfg)
     if task not in TASKS:
@@ -246,70 +246,19 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
         text = cfg.get_text_config()
     except ValueError as e:  # several text models (MusicGen: a text encoder and an audio-code decoder)
         raise WorkloadError(f"hf: {cfg.model_type} has no single text model for memfit's token batches: {e}") from None
-    limit = _max_positions(text)
-    if task == "contrastive":
-        limit = getattr(text, "max_position_embeddings", None)
-    # Reformer's axial position embeddings factor the sequence: training runs only at their product.
-    axial = math.prod(cfg.axial_pos_shape) if getattr(cfg, "axial_pos_embds", False) else None
-    if seq is None:
-        seq = axial or (min(128, limit) if task == "contrastive" and limit else 128)
-        if task == "image" and _input_name(cfg, task) == "input_ids":  # ImageGPT: one token per pixel
-            seq = getattr(cfg, "n_positions", None) or seq
-    try:
-        seq = int(seq)
-        target_seq = seq if target_seq is None else int(target_seq)
-        image_size = None if image_size is None else int(image_size)
-    except (TypeError, ValueError):
-        raise WorkloadError(f"hf: seq, target_seq and image_size must be whole numbers, got {seq!r}, "
-                            f"{target_seq!r}, {image_size!r}") from None
-    if seq < 1 or target_seq < 1 or (image_size is not None and image_size < 1):
-        raise WorkloadError("hf: seq, target_seq and image_size must be at least 1")
-    if axial and seq != axial:
-        raise WorkloadError(f"hf: {cfg.model_type} trains only at seq {axial}, the product of its config's "
-                            f"axial_pos_shape {tuple(cfg.axial_pos_shape)}")
-    if limit is not None and max(seq, target_seq) > limit and task != "image":
-        raise WorkloadError(f"hf: seq {max(seq, target_seq)} is longer than this model's {limit} positions")
+    seq, target_seq, image_size = _lengths(cfg, text, task, seq, target_seq, image_size)
     vocab = getattr(text, "vocab_size", None)
     if not vocab and task != "image":
         raise WorkloadError(f"hf: the {cfg.model_type} config has no vocab_size")
-    auto_cls = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-                "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
-                "contrastive": transformers.AutoModelForZeroShotImageClassification,
-                "classification": transformers.AutoModelForSequenceClassification,
-                "image-text": transformers.AutoModelForImageTextToText}[task]
-    if hasattr(cfg, "use_cache"):
-        cfg.use_cache = False  # training never reads a KV cache; building one would only hold memory
-    encoder_decoder = task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False)  # T5 classifies via its decoder
-    if encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
-        # Newer transformers keep it in the generation config, but the model shifts labels with it.
-        pad = getattr(cfg, "pad_token_id", None)
-        cfg.decoder_start_token_id = pad if pad is not None else 0
-    if task in ("seq2seq", "classification") and getattr(cfg, "pad_token_id", None) is None:
-        # seq2seq: shifting labels right needs one (it replaces -100s, which these labels lack); a decoder
-        # classifies a row at its last token before padding and refuses a batch without a padding id
-        cfg.pad_token_id = 0
-    if not getattr(cfg, "architectures", None):
-        # Where one model type has several classes for a head (DeiT, LeViT), transformers picks by this list
-        # and fails without one; the table's first class is the one it would build.
-        cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
-    eos = getattr(cfg, "eos_token_id", None)
-    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-    eos = eos if isinstance(eos, int) and 0 <= eos < (vocab or 0) else None
+    _ready_to_train(cfg, task)
+    eos = _eos_id(cfg, vocab)
     with_images = task in ("image", "contrastive") or cfg.model_type in IMAGE_PREFIXED
     takes = inspect.signature(_model_class(cfg, task).forward).parameters if task != "image" else {}
     images = _image_batch(cfg, task, image_size, seq) if with_images else None
     # Perceiver's masked-LM decoder predicts all max_position_embeddings positions, whatever the input length.
     outputs = cfg.max_position_embeddings if task == "masked" and cfg.model_type == "perceiver" else seq
 
-    def model() -> torch.nn.Module:
-        # The default dtype, not config.json's torch_dtype: memfit decides precision, as with any model.
-        dtype = torch.get_default_dtype()
-        try:
-            m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=dtype)
-        except (ValueError, ImportError, NotImplementedError):
-            m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype)
-        return m.train()
-
+    model = _builder(cfg, task)
     vision = _image_text_batch(cfg, model, image_size, seq, takes) if task == "image-text" else None
 
     def batch(n: int) -> dict[str, torch.Tensor]:
@@ -374,6 +323,81 @@ def from_config(config: Any, seq: int | None = None, name: str | None = None, ta
 
     label = name or f"hf:{config if isinstance(config, (str, Path)) else cfg.model_type}"
     return Workload(model=model, batch=batch, loss=loss, optimizer=optimizer, name=label)
+
+
+def _builder(cfg, task: str):
+    """The model factory: `task`'s auto class from `cfg`, with SDPA attention where the model has it."""
+    transformers = _transformers()
+    auto_cls = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
+                "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
+                "contrastive": transformers.AutoModelForZeroShotImageClassification,
+                "classification": transformers.AutoModelForSequenceClassification,
+                "image-text": transformers.AutoModelForImageTextToText}[task]
+
+    def model() -> torch.nn.Module:
+        # The default dtype, not config.json's torch_dtype: memfit decides precision, as with any model.
+        dtype = torch.get_default_dtype()
+        try:
+            m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=dtype)
+        except (ValueError, ImportError, NotImplementedError):
+            m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype)
+        return m.train()
+    return model
+
+
+def _lengths(cfg, text, task: str, seq, target_seq, image_size) -> tuple[int, int, int | None]:
+    """`from_config`'s lengths checked against the model: its default sequence length where none is given, whole
+    numbers of at least 1, within its positions (Reformer's axial embeddings: exactly their product)."""
+    limit = _max_positions(text)
+    if task == "contrastive":
+        limit = getattr(text, "max_position_embeddings", None)
+    # Reformer's axial position embeddings factor the sequence: training runs only at their product.
+    axial = math.prod(cfg.axial_pos_shape) if getattr(cfg, "axial_pos_embds", False) else None
+    if seq is None:
+        seq = axial or (min(128, limit) if task == "contrastive" and limit else 128)
+        if task == "image" and _input_name(cfg, task) == "input_ids":  # ImageGPT: one token per pixel
+            seq = getattr(cfg, "n_positions", None) or seq
+    try:
+        seq = int(seq)
+        target_seq = seq if target_seq is None else int(target_seq)
+        image_size = None if image_size is None else int(image_size)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"hf: seq, target_seq and image_size must be whole numbers, got {seq!r}, "
+                            f"{target_seq!r}, {image_size!r}") from None
+    if seq < 1 or target_seq < 1 or (image_size is not None and image_size < 1):
+        raise WorkloadError("hf: seq, target_seq and image_size must be at least 1")
+    if axial and seq != axial:
+        raise WorkloadError(f"hf: {cfg.model_type} trains only at seq {axial}, the product of its config's "
+                            f"axial_pos_shape {tuple(cfg.axial_pos_shape)}")
+    if limit is not None and max(seq, target_seq) > limit and task != "image":
+        raise WorkloadError(f"hf: seq {max(seq, target_seq)} is longer than this model's {limit} positions")
+    return seq, target_seq, image_size
+
+
+def _ready_to_train(cfg, task: str) -> None:
+    """Settings the config needs for a training step of `task`, set in place where it lacks them."""
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False  # training never reads a KV cache; building one would only hold memory
+    encoder_decoder = task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False)  # T5 classifies via its decoder
+    if encoder_decoder and getattr(cfg, "decoder_start_token_id", None) is None:
+        # Newer transformers keep it in the generation config, but the model shifts labels with it.
+        pad = getattr(cfg, "pad_token_id", None)
+        cfg.decoder_start_token_id = pad if pad is not None else 0
+    if task in ("seq2seq", "classification") and getattr(cfg, "pad_token_id", None) is None:
+        # seq2seq: shifting labels right needs one (it replaces -100s, which these labels lack); a decoder
+        # classifies a row at its last token before padding and refuses a batch without a padding id
+        cfg.pad_token_id = 0
+    if not getattr(cfg, "architectures", None):
+        # Where one model type has several classes for a head (DeiT, LeViT), transformers picks by this list
+        # and fails without one; the table's first class is the one it would build.
+        cfg.architectures = [_class_names(_task_tables()[task][cfg.model_type])[0]]
+
+
+def _eos_id(cfg, vocab) -> int | None:
+    """The config's end-of-sequence token where it is one id inside the vocabulary (a classifier reads there)."""
+    eos = getattr(cfg, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    return eos if isinstance(eos, int) and 0 <= eos < (vocab or 0) else None
 
 
 def _model_class(cfg, task: str):
