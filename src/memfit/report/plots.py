@@ -188,32 +188,7 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
                     color="#B00020", zorder=7,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.8))
 
-        off_scale = []
-        if device_total is not None:
-            name = estimate.device
-            if device_on_scale:
-                ax.axhline(device_total / scale, color="#B00020", linewidth=1.6, zorder=5)
-                headroom = estimate.headroom_bytes
-                verdict = "" if headroom is None else (f", {fmt_bytes(headroom)} to spare" if headroom >= 0 else
-                                                        f": does not fit, {fmt_bytes(-headroom)} short")
-                ax.text(x[0] + 0.005 * (x[-1] - x[0]), device_total / scale,
-                        f"{name} memory {fmt_bytes(device_total)}{verdict}", va="bottom", ha="left", fontsize=10,
-                        color="#B00020", zorder=7, bbox=_LABEL_BOX)
-            else:
-                off_scale.append(f"{name} memory: {fmt_bytes(device_total)}\n"
-                                 f"(the peak is {100 * estimate.peak_bytes / device_total:.2g}% of it)")
-        if reserved:
-            if reserved_on_scale:
-                ax.axhline(reserved / scale, color="#6a3d9a", linewidth=1.1, linestyle=":", zorder=5)
-                ax.text(x[-1] - 0.005 * (x[-1] - x[0]), reserved / scale,
-                        f"predicted reserved peak {fmt_bytes(reserved)}", va="bottom", ha="right",
-                        fontsize=9.5, color="#6a3d9a", zorder=7, bbox=_LABEL_BOX)
-            else:
-                off_scale.append(f"predicted reserved peak:\n{fmt_bytes(reserved)} (allocator cache,\n"
-                                 "cuBLAS workspace included)")
-        if off_scale:
-            ax.text(1.02, 0.42, "off the scale of this chart:\n" + "\n".join(off_scale), transform=ax.transAxes,
-                    ha="left", va="top", fontsize=9.5, color="#6a1010", linespacing=1.35)
+        _device_lines(ax, estimate, x, scale, device_on_scale, reserved_on_scale)
 
         ax.set_xlabel("allocation event in the step")
         ax.set_ylabel(f"live tensor memory ({unit})")
@@ -239,6 +214,40 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
         _lay_out(fig)
         _name_phases(ax, spans, ymax * 0.985)
         return _write(fig, path)
+
+
+def _device_lines(ax, estimate: Estimate, x: list, scale: float, device_on_scale: bool, reserved_on_scale: bool):
+    """On a GPU target: the device's memory and the predicted reserved peak as lines where they keep the chart
+    readable, else in a note beside it."""
+    off_scale = []
+    gpu = estimate.peak_allocated_bytes is not None and estimate.device_total_bytes
+    device_total = estimate.device_total_bytes if gpu else None
+    reserved = estimate.peak_reserved_bytes if gpu else None
+    if device_total is not None:
+        name = estimate.device
+        if device_on_scale:
+            ax.axhline(device_total / scale, color="#B00020", linewidth=1.6, zorder=5)
+            headroom = estimate.headroom_bytes
+            verdict = "" if headroom is None else (f", {fmt_bytes(headroom)} to spare" if headroom >= 0 else
+                                                    f": does not fit, {fmt_bytes(-headroom)} short")
+            ax.text(x[0] + 0.005 * (x[-1] - x[0]), device_total / scale,
+                    f"{name} memory {fmt_bytes(device_total)}{verdict}", va="bottom", ha="left", fontsize=10,
+                    color="#B00020", zorder=7, bbox=_LABEL_BOX)
+        else:
+            off_scale.append(f"{name} memory: {fmt_bytes(device_total)}\n"
+                             f"(the peak is {100 * estimate.peak_bytes / device_total:.2g}% of it)")
+    if reserved:
+        if reserved_on_scale:
+            ax.axhline(reserved / scale, color="#6a3d9a", linewidth=1.1, linestyle=":", zorder=5)
+            ax.text(x[-1] - 0.005 * (x[-1] - x[0]), reserved / scale,
+                    f"predicted reserved peak {fmt_bytes(reserved)}", va="bottom", ha="right",
+                    fontsize=9.5, color="#6a3d9a", zorder=7, bbox=_LABEL_BOX)
+        else:
+            off_scale.append(f"predicted reserved peak:\n{fmt_bytes(reserved)} (allocator cache,\n"
+                             "cuBLAS workspace included)")
+    if off_scale:
+        ax.text(1.02, 0.42, "off the scale of this chart:\n" + "\n".join(off_scale), transform=ax.transAxes,
+                ha="left", va="top", fontsize=9.5, color="#6a1010", linespacing=1.35)
 
 
 def _name_phases(ax, spans: list[tuple[str, int, int]], y: float) -> None:
