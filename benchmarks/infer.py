@@ -6,6 +6,9 @@ logs, and how long `memfit infer` takes.
 1. `generate` (greedy, dynamic cache) of toy Llama, Qwen2 and a sliding-window Mistral (window 32, shorter than
    the prompts), fp32, at three batch x prompt x new-token points: memfit's traced peak against the profiler's
    peak of the real run (benchmarks/truth.py: the memory timeline's running sum, weights and prompts included).
+   The same models' `generate_batch` (continuous batching, paged cache sized by memfit's plan, max_batch_tokens
+   every request's whole length) at three requests x prompt points: transformers' manager and batch processor
+   traced on fake tensors against the allocator's peak in the manager's thread (truth.generate_batch_peak).
 2. Published vLLM logs, each row's settings as its log gives them: weights ("Loading model weights took",
    "model weights take") and the KV cache ("kv_cache_size", "# GPU blocks", "available_kv_cache_memory").
 3. Wall time of the `memfit infer` command (a fresh process: imports included) for Llama 3.1 8B and 70B on an H100.
@@ -28,12 +31,16 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from memfit.inference.serve import infer, model_config  # noqa: E402
-from memfit.inference.trace import generate_options, generate_peak  # noqa: E402
+from memfit.inference.run import planned_blocks  # noqa: E402
+from memfit.inference.trace import (generate_batch_options, generate_batch_peak, generate_options,  # noqa: E402
+                                    generate_peak)
+from truth import generate_batch_peak as batch_truth  # noqa: E402
 from truth import profiler_peak  # noqa: E402
 
 CONFIGS = HERE.parent / "tests" / "data" / "hf_configs"
 GiB = 2**30
 POINTS = [(1, 16, 8), (4, 64, 16), (8, 128, 32)]
+BATCH_POINTS = [(1, 16, 4), (2, 40, 4), (4, 60, 4)]  # requests, prompt, new tokens
 
 # (source, model config, infer settings, published figures). GiB figures as the logs print them ("GB" in vLLM's
 # older logs is GiB: 14.9888 = 8,030,261,248 bf16 parameters plus the 32 MiB rotary table, / 2**30).
@@ -58,13 +65,16 @@ ROWS = [
 ]
 
 
-def generate_rows() -> list[dict]:
+def toy_configs() -> dict:
     toy = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048)
-    configs = {"llama": model_config("hf:llama"), "qwen2": model_config("hf:qwen2"),
-               "mistral (sliding window 32)": transformers.AutoConfig.for_model("mistral", sliding_window=32, **toy)}
+    return {"llama": model_config("hf:llama"), "qwen2": model_config("hf:qwen2"),
+            "mistral (sliding window 32)": transformers.AutoConfig.for_model("mistral", sliding_window=32, **toy)}
+
+
+def generate_rows() -> list[dict]:
     rows = []
-    for name, config in configs.items():
+    for name, config in toy_configs().items():
         torch.manual_seed(0)
         net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
         for batch, prompt, new in POINTS:
@@ -77,6 +87,29 @@ def generate_rows() -> list[dict]:
             est, real = generate_peak(config, batch, prompt, new), profiler_peak(run)
             rows.append(dict(model=name, batch=batch, prompt=prompt, new_tokens=new, estimate=est, profiler=real,
                              error=(est - real) / real))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def generate_batch_rows() -> list[dict]:
+    rows = []
+    for name, config in toy_configs().items():
+        torch.manual_seed(0)
+        net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        for requests, prompt, new in BATCH_POINTS:
+            tokens = requests * (prompt + new)
+            _, blocks = planned_blocks(config, requests, prompt + new)
+            cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=tokens)
+            prompts = torch.randint(1, config.vocab_size, (requests, prompt)).tolist()
+
+            def run():
+                with torch.no_grad():
+                    net.generate_batch(prompts, generation_config=generate_batch_options(new),
+                                       continuous_batching_config=cb, warmup=False)
+
+            est, real = generate_batch_peak(config, requests, prompt, new, blocks, tokens), batch_truth(net, run)
+            rows.append(dict(model=name, requests=requests, prompt=prompt, new_tokens=new, num_blocks=blocks,
+                             max_batch_tokens=tokens, estimate=est, allocator=real, error=(est - real) / real))
             print(rows[-1], flush=True)
     return rows
 
@@ -111,7 +144,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(HERE / "results" / "infer.json"))
     args = parser.parse_args()
-    results = dict(date=time.strftime("%Y-%m-%d"), generate=generate_rows(), published=published_rows(),
+    results = dict(date=time.strftime("%Y-%m-%d"), generate=generate_rows(), generate_batch=generate_batch_rows(),
+                   published=published_rows(),
                    timings=timings())
     Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -145,3 +145,30 @@ def rank_step_peaks(workload, config, repeats: int = 2) -> list[int]:
     """`allocator_step_peak` on each of config.gpus real ranks (forked processes joined by gloo on this machine),
     each rank stepping on its own share of the batch: every rank's own peak, rank 0 first."""
     return on_gloo_ranks(config.gpus, lambda rank: allocator_step_peak(workload, config, repeats))
+
+
+def generate_batch_peak(model, run) -> int:
+    """The peak of `run()`, a `generate_batch` call on `model`, weights included: the CPU allocator's running
+    total under a profiler started inside the manager's background thread (where the cache, the batch tensors
+    and every forward are allocated; the profiler records allocations only on the thread it runs on), plus the
+    weights and buffers already live. The caller's thread only queues requests and collects token lists."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    loop = ContinuousBatchingManager._run_generation_loop
+    peaks = []
+
+    def profiled(self, **kwargs):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loop(self, **kwargs)
+        _, events = profiler_allocations(prof, "memfit.truth")
+        base = events[0][2] - events[0][1]  # what earlier profiles in this process left live
+        peaks.append(max(total for _, _, total, _, _ in events) - base)
+
+    gc.collect()
+    ContinuousBatchingManager._run_generation_loop = profiled
+    try:
+        run()
+    finally:
+        ContinuousBatchingManager._run_generation_loop = loop
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    return weights + peaks[0]

@@ -204,3 +204,38 @@ def test_run_allocates_the_planned_cache(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["served"] == 2
     assert out["cache_bytes"] == out["planned_cache_bytes"]
+
+
+TOY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=1000, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_generate_batch_peak_matches_the_profiler(name):
+    """transformers' generate_batch with a paged cache, its manager and batch processor traced on fake tensors,
+    against the allocator's peak of the real run in the manager's thread (fp32 toy sizes; Mistral's 32-token window
+    shorter than the longer prompts), at three requests x prompt points: within 1%."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from truth import generate_batch_peak as measured
+
+    from memfit.inference.run import planned_blocks
+    from memfit.inference.trace import generate_batch_options, generate_batch_peak
+
+    config = (transformers.AutoConfig.for_model("mistral", sliding_window=32, **TOY) if name == "mistral"
+              else model_config(f"hf:{name}"))
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for requests, prompt, new in [(1, 16, 4), (2, 40, 4), (4, 60, 4)]:
+        _, blocks = planned_blocks(config, requests, prompt + new)
+        cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=requests * (prompt + new))
+        prompts = torch.randint(1, config.vocab_size, (requests, prompt)).tolist()
+
+        def run():
+            with torch.no_grad():
+                net.generate_batch(prompts, generation_config=generate_batch_options(new),
+                                   continuous_batching_config=cb, warmup=False)
+
+        predicted = generate_batch_peak(config, requests, prompt, new, blocks, requests * (prompt + new))
+        assert predicted == pytest.approx(measured(net, run), rel=0.01), (requests, prompt)

@@ -232,3 +232,59 @@ def generate_options(new_tokens: int) -> dict:
     """What memfit generates with, traced and measured alike: greedy, exactly `new_tokens` tokens."""
     return dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                 attention_mask=None)
+
+
+class _ReadsAnswered(TorchDispatchMode):
+    """The values continuous batching reads back from tensors (the seed it broadcasts, the tokens each step
+    sampled) are not in fake tensors; answered 0, which with end-of-sequence disabled changes no schedule: the
+    scheduler's decisions come from the requests' lengths, not the tokens."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            return False if args[0].dtype is torch.bool else 0
+
+
+def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num_blocks: int, max_batch_tokens: int,
+                        dtype: torch.dtype = torch.float32) -> int:
+    """Peak live bytes of `model.generate_batch` (greedy, every request generating all `new_tokens`) on `requests`
+    prompts of `prompt` tokens with `ContinuousBatchingConfig(num_blocks, max_batch_tokens)`, weights included.
+
+    transformers' own manager and batch processor run on fake tensors, the loop its background thread runs
+    (schedule, forward over the flattened batch, sample, update) stepped here in the caller's thread until every
+    request is done: the paged cache and the static input/output tensors as transformers allocates them, and every
+    step's forward and logits."""
+    import transformers
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    mode = new_fake_mode()
+    with mode, quiet_fake_errors(), _quiet_transformers():
+        with FakeBuild(mode):
+            model = _build(config, dtype, "sdpa")
+        model.eval()
+        tracker = LiveBytes("cpu", detail=False)
+        tracker.track(list(model.parameters()) + list(model.buffers()))
+        hints = WorkloadHints(max_prompt_length=prompt, max_generated_length=new_tokens, num_requests=requests)
+        with torch.no_grad(), tracker, _ReadsAnswered():
+            manager = model.init_continuous_batching(
+                generation_config=generate_batch_options(new_tokens), workload_hints=hints,
+                continuous_batching_config=transformers.ContinuousBatchingConfig(num_blocks=num_blocks,
+                                                                                 max_batch_tokens=max_batch_tokens))
+            manager.add_requests(inputs=[[1] * prompt] * requests, max_new_tokens=new_tokens)
+            processor = manager.batch_processor = manager._create_batch_processor()
+            while processor.prepare_next_batch():
+                processor._generation_step(model)
+                processor.update_batch()
+        tracker.close()
+    return tracker.peak
+
+
+def generate_batch_options(new_tokens: int):
+    """What `memfit infer --run` generates with, traced and measured alike: greedy, exactly `new_tokens` tokens."""
+    import transformers
+
+    return transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)
