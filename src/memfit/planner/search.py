@@ -411,6 +411,65 @@ def _micro_batches(global_batch: int, fixed: int | None, smallest: int = 1) -> l
     return [m for m in sorted({*small, *(global_batch // d for d in small)}) if m >= smallest]
 
 
+@dataclasses.dataclass
+class _Search:
+    """One plan's request, read by every stage, and what the stages report, added to in the order the plan
+    gives it: one object instead of the same dozen arguments to each stage."""
+    workload: Workload
+    global_batch: int
+    dev: Device
+    allowed: frozenset             # the techniques that change the math, allowed (check_allow's)
+    budget_bytes: int
+    host_bytes: int | None         # host_memory; None: not limited
+    rates: Callable[[], Profile]   # the step-time profile, measured (a first calibration takes a while) only
+    #                                once something fits: "nothing fits" comes at once
+    # the caller's fixed choices (None: searched), as plan's defaults
+    precision: str | None = None
+    micro_batch: int | None = None
+    activation_checkpoint: object = None
+    offload_activations: bool | None = None
+    offload_optimizer: bool | None = None
+    gpus: int = 1
+    data_parallel: str | None = None
+    gpus_per_node: int | None = None
+    notes: list = dataclasses.field(default_factory=list)
+    verdicts: list = dataclasses.field(default_factory=list)       # [(family, verdict)]: Plan.families
+    smallest_need: dict = dataclasses.field(default_factory=dict)  # family: the least memory it was found to need
+    host_need: dict = dataclasses.field(default_factory=dict)      # family over host_bytes: the host memory it needs
+
+    @property
+    def usable(self) -> int:
+        return int(self.budget_bytes * (1 - MARGIN))
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.gpus
+
+    @property
+    def cpu(self) -> bool:
+        return self.dev.kind == "cpu"
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the workload is one with LoRA adapters already (lora's name for it)."""
+        return "+lora:" in self.workload.name
+
+    @property
+    def precisions(self) -> list[str]:
+        """The fixed precision, else the device's (fp16 left out across ranks)."""
+        if self.precision:
+            return [self.precision]
+        precisions = list(defaults_for(self.dev).precisions)
+        if self.gpus > 1 and "fp16" in precisions:
+            precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
+        return precisions
+
+    @property
+    def bf16_pure_too(self) -> bool:
+        """Whether bf16-pure is searched, a fallback for tight memory: bf16 autocast searched alone, on one GPU."""
+        return self.precision is None and self.precisions == ["bf16"] and self.gpus == 1
+
+
 def plan(workload: Workload, global_batch: int, budget=None, device: str | Device = "cpu", *,
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
@@ -426,325 +485,393 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     allowed = check_allow(allow)
-    adapted = "+lora:" in workload.name
-    if allowed & {"lora", "qlora"} and not adapted:
-        return _full_or_lora(workload, global_batch, allowed, dict(
-            budget=budget, device=dev, precision=precision, micro_batch=micro_batch,
-            activation_checkpoint=activation_checkpoint, offload_activations=offload_activations,
-            offload_optimizer=offload_optimizer, profile=profile, confirm=confirm, gpus=gpus,
-            data_parallel=data_parallel, gpus_per_node=gpus_per_node, host_memory=host_memory))
+    options = dict(budget=budget, device=dev, precision=precision, micro_batch=micro_batch,
+                   activation_checkpoint=activation_checkpoint, offload_activations=offload_activations,
+                   offload_optimizer=offload_optimizer, profile=profile, confirm=confirm, gpus=gpus,
+                   data_parallel=data_parallel, gpus_per_node=gpus_per_node, host_memory=host_memory)
+    if allowed & {"lora", "qlora"} and "+lora:" not in workload.name:
+        return _full_or_lora(workload, global_batch, allowed, options)
     layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
-    per_rank = global_batch // gpus
-    budget_bytes = resolve_budget(budget, dev)
-    usable = int(budget_bytes * (1 - MARGIN))
-    host_bytes = parse_size(host_memory) if host_memory is not None else None
-    cpu = dev.kind == "cpu"
-    # measured (a first calibration takes a while) only once something fits: "nothing fits" comes at once
-    rates = functools.cache(lambda: profile or profile_for(dev))
-    notes = [f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces"]
-    if gpus == 1 and data_parallel not in (None, "none"):
-        notes.append(f"one GPU holds the whole model: {data_parallel} has no ranks to shard or replicate across, so "
-                     "it is planned unsharded")
+    s = _Search(workload, global_batch, dev, allowed, budget_bytes=resolve_budget(budget, dev),
+                host_bytes=parse_size(host_memory) if host_memory is not None else None,
+                rates=functools.cache(lambda: profile or profile_for(dev)), precision=precision,
+                micro_batch=micro_batch, activation_checkpoint=activation_checkpoint,
+                offload_activations=offload_activations, offload_optimizer=offload_optimizer, gpus=gpus,
+                data_parallel=data_parallel, gpus_per_node=gpus_per_node)
+    bases, floors, depth = _floors(s, _search_space(s, layouts))
+    families, failed = _probes(s, bases, floors, depth, traced)
+    if failed and not families:
+        return _all_raised(s, failed, dict(options, traced=traced, allow=allow))
+    candidates = _candidates(s, families)
+    confirmed = _confirm(s, candidates, confirm)
+    if not confirmed:
+        raise _nothing_fits(s, families)
+    return _choose(s, families, candidates, confirmed[0])
 
-    defaults = defaults_for(dev)
-    precisions = [precision] if precision else list(defaults.precisions)
-    if gpus > 1 and not precision and "fp16" in precisions:
-        precisions = [p for p in precisions if p != "fp16"] or ["fp32"]
+
+def _search_space(s: _Search, layouts: list[str]) -> list[Config]:
+    """Every family's base at micro-batch 1: layout x precision x offload x checkpointing x the techniques
+    allowed. The notes say what is left out and why, and what each technique allowed changes."""
+    notes = s.notes
+    notes.append(f"{MARGIN:.0%} of the budget is kept free for allocator growth and kernel workspaces")
+    if s.gpus == 1 and s.data_parallel not in (None, "none"):
+        notes.append(f"one GPU holds the whole model: {s.data_parallel} has no ranks to shard or replicate across, "
+                     "so it is planned unsharded")
+    defaults = defaults_for(s.dev)
+    precisions = s.precisions
+    if s.gpus > 1 and not s.precision and "fp16" in defaults.precisions:
         notes.append("fp16 not searched across ranks: loss scaling across ranks is not built yet")
-    if not precision and "fp32" not in precisions:
+    if not s.precision and "fp32" not in precisions:
         notes.append(f"fp32 not searched on a GPU: {precisions[0]} autocast is smaller and faster; fix it to force")
-    checkpoints = [activation_checkpoint] if activation_checkpoint is not None else ["none", "all", "selective"]
-    if gpus > 1:
-        offloads = [(bool(offload_activations), bool(offload_optimizer))]
-        if offload_activations is None and offload_optimizer is None:
-            notes.append("offload not searched across ranks: not built with data parallelism yet")
-    elif not defaults.search_offload:
-        offloads = [(bool(offload_activations), bool(offload_optimizer))]
-        if offload_activations is None and offload_optimizer is None:
-            notes.append("offload not searched on a CPU device: host and device memory are one")
-    else:
-        acts = [offload_activations] if offload_activations is not None else [False, True]
-        opts = [offload_optimizer] if offload_optimizer is not None else [False, True]
-        if precisions == ["fp16"] and offload_optimizer is None:  # if the user fixes both, Config says why not
-            opts = [False]
-            notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
-        offloads = [(a, o) for a in acts for o in opts]
+    checkpoints = [s.activation_checkpoint] if s.activation_checkpoint is not None else ["none", "all", "selective"]
+    offloads = _offloads(s)
     # bf16 weights on the GPU, traced only when memory is tight (no bf16 family without optimizer offload fits
-    # its state floor): with optimizer offload, fp32 master weights and optimizer state on the host (the same
-    # mixed precision as FSDP's bf16 policy: bf16 compute, fp32 update); without, no fp32 copy at all
+    # its state floor: _floors): with optimizer offload, fp32 master weights and optimizer state on the host (the
+    # same mixed precision as FSDP's bf16 policy: bf16 compute, fp32 update); without, no fp32 copy at all
     variants = [(p, act, opt) for p in precisions for act, opt in offloads]
-    bf16_pure_too = precision is None and precisions == ["bf16"] and gpus == 1
-    if bf16_pure_too:
+    if s.bf16_pure_too:
         variants += [("bf16-pure", act, opt) for act, opt in offloads]
-    paging = "paged-optim" in allowed and gpus == 1 and defaults.search_offload
-    eights = [(False, False)] + [(True, False)] * ("8bit-optim" in allowed) + [(True, True)] * paging
-    fours = (False, True) if "qlora" in allowed and adapted else (False,)
+    paging = "paged-optim" in s.allowed and s.gpus == 1 and defaults.search_offload
+    eights = [(False, False)] + [(True, False)] * ("8bit-optim" in s.allowed) + [(True, True)] * paging
+    fours = (False, True) if "qlora" in s.allowed and s.adapted else (False,)
     bases = [Config(micro_batch=1, precision=p, activation_checkpoint=ck, offload_activations=act,
                     offload_optimizer=opt, optimizer_8bit=eight, paged_optimizer=paged, base_4bit=four,
-                    loss_chunks=chunks, gpus=gpus,
-                    data_parallel=layout, gpus_per_node=gpus_per_node or 8 if layout == "hsdp" else None)
+                    loss_chunks=chunks, gpus=s.gpus,
+                    data_parallel=layout, gpus_per_node=s.gpus_per_node or 8 if layout == "hsdp" else None)
              for layout in layouts for p, act, opt in variants for ck in checkpoints for eight, paged in eights
              for four in fours
              if not (paged and opt)  # paged states are the host's already
              # a chunked loss where the blocks keep only their inputs: the logits are then the largest activation
              for chunks in ((1, LOSS_CHUNKS) if ck == "all" else (1,))
              # offloading what checkpointing already dropped is traced only when asked for
-             if not (act and ck != "none" and activation_checkpoint is None)]
-    if "8bit-optim" in allowed:
+             if not (act and ck != "none" and s.activation_checkpoint is None)]
+    if "8bit-optim" in s.allowed:
         notes.append("8-bit optimizer states allowed (they change the math): Adam's moments in 8 bits a value "
                      "with one fp32 scale per 256 (bitsandbytes' block-wise layout), 2.03 bytes a parameter "
                      "instead of 8")
-    if "paged-optim" in allowed and paging:
+    if "paged-optim" in s.allowed and paging:
         notes.append("paged 8-bit optimizer states allowed (they change the math as 8-bit states do): the moments in "
                      "host memory, each parameter's paged to the GPU for its own update (bitsandbytes' paged 8-bit "
                      "AdamW when the GPU is short of memory)")
-    elif "paged-optim" in allowed:
-        notes.append("paged optimizer states not searched: " + ("they are built for one GPU" if gpus > 1 else
+    elif "paged-optim" in s.allowed:
+        notes.append("paged optimizer states not searched: " + ("they are built for one GPU" if s.gpus > 1 else
                                                                 "on a CPU device host and device memory are one"))
-    if "qlora" in allowed and adapted:
+    if "qlora" in s.allowed and s.adapted:
         notes.append("4-bit base weights allowed (they change the math): the frozen Linear layers in NF4 with double "
                      "quantization (bitsandbytes' QLoRA layout), 0.52 bytes a weight")
-    families: dict[Config, _Family] = {}
-    verdicts: list[tuple[str, str]] = []
-    smallest_need: dict[str, int] = {}
-    # what stays between steps (weights, gradients, optimizer state) is a floor that costs no forward or
-    # backward pass to find: families already over the budget there are not traced (a 7B model's are half)
-    # (only a shortcut: if the floor cannot be found, the families' own traces report what is wrong)
+    return bases
+
+
+def _offloads(s: _Search) -> list[tuple[bool, bool]]:
+    """The (activations, optimizer) offloads searched: both ways where the device searches offload and the
+    caller left them open; the notes say why not elsewhere."""
+    fixed = [(bool(s.offload_activations), bool(s.offload_optimizer))]
+    open_ = s.offload_activations is None and s.offload_optimizer is None
+    if s.gpus > 1:
+        if open_:
+            s.notes.append("offload not searched across ranks: not built with data parallelism yet")
+        return fixed
+    if not defaults_for(s.dev).search_offload:
+        if open_:
+            s.notes.append("offload not searched on a CPU device: host and device memory are one")
+        return fixed
+    acts = [s.offload_activations] if s.offload_activations is not None else [False, True]
+    opts = [s.offload_optimizer] if s.offload_optimizer is not None else [False, True]
+    if s.precisions == ["fp16"] and s.offload_optimizer is None:  # if the user fixes both, Config says why not
+        opts = [False]
+        s.notes.append("optimizer offload not searched with fp16: memfit's offload does not support loss scaling")
+    return [(a, o) for a in acts for o in opts]
+
+
+def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | None]:
+    """The bases whose state floor fits, the floors (by _state_key) and the model's stack depth (None: probed
+    whole). What stays between steps (weights, gradients, optimizer state) is a floor that costs no forward or
+    backward pass to find: families already over the budget there are not traced (a 7B model's are half); one
+    over it only by its gradient buffer is traced with the optimizer step in backward instead, which keeps
+    none; one whose offloaded state is over host_bytes is not traced either. (Only a shortcut: if the floors
+    cannot be found, the families' own traces report what is wrong.)"""
+    usable = s.usable
     states = list({_state_key(b): b for b in bases}.values())
     stage = _Stage(f"weights, gradients and optimizer state of {len(states)} families", 1)
-    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, states, dev)], workers=1,
+    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, s.workload, states, s.dev)], workers=1,
                                       on_done=stage.done)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
     if depth:
-        notes.append(f"{workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and {DEPTHS[1]} "
-                     "blocks, extended to the full depth; every plan offered is confirmed on the whole model")
-    if bf16_pure_too:
+        s.notes.append(f"{s.workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and "
+                       f"{DEPTHS[1]} blocks, extended to the full depth; every plan offered is confirmed on the whole "
+                       "model")
+    if s.bf16_pure_too:
         if any(floors.get(_state_key(b), 0) <= usable for b in bases
                if b.precision == "bf16" and not b.offload_optimizer):
             bases = [b for b in bases if b.precision != "bf16-pure"]  # a weaker fallback, for tight memory
         else:
-            notes.append("bf16-pure searched (bf16 autocast's weights, gradients and optimizer state do not fit): "
-                         "bf16 weights and gradients on the GPU; with optimizer offload, fp32 master weights and "
-                         "optimizer state on the host (bf16 compute, fp32 update), without it no fp32 copy at all")
-    # a family over its floor for its gradient buffer may fit with the optimizer step in backward, which keeps
-    # none (one micro-batch a step): its own floor decides, and it is traced in the family's place
+            s.notes.append("bf16-pure searched (bf16 autocast's weights, gradients and optimizer state do not fit): "
+                           "bf16 weights and gradients on the GPU; with optimizer offload, fp32 master weights and "
+                           "optimizer state on the host (bf16 compute, fp32 update), without it no fp32 copy at all")
     in_backward = {b: b.replace(optimizer_in_backward=True) for b in bases if floors.get(_state_key(b), 0) > usable
-                   and _state_key(b) in split and _may_step_in_backward(b, workload, micro_batch, per_rank)}
+                   and _state_key(b) in split and _may_step_in_backward(b, s.workload, s.micro_batch, s.per_rank)}
     for b, alt in in_backward.items():  # the same state less the gradients (state_parts)
         floors[_state_key(alt)] = floors[_state_key(b)] - split[_state_key(b)][2]
         host_floors[_state_key(alt)] = host_floors[_state_key(b)]
-    host_need: dict[str, int] = {}  # families over --host-memory: the host memory each needs
     for b in list(bases):
         floor = floors.get(_state_key(b), 0)
         alt = in_backward.get(b)
         if floor > usable and alt is not None and floors.get(_state_key(alt), floor) <= usable:
-            verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
-                                              f"{fmt_bytes(floor)}; with the optimizer step in backward (no gradient "
-                                              f"buffer) {fmt_bytes(floors[_state_key(alt)])}: traced that way"))
+            s.verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
+                                                f"{fmt_bytes(floor)}; with the optimizer step in backward (no "
+                                                f"gradient buffer) {fmt_bytes(floors[_state_key(alt)])}: traced "
+                                                "that way"))
             bases[bases.index(b)] = b = alt
             floor = floors[_state_key(alt)]
         if floor > usable:
             bases.remove(b)
-            smallest_need[_family_name(b)] = floor
-            verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
-                                              f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
+            s.smallest_need[_family_name(b)] = floor
+            s.verdicts.append((_family_name(b), f"does not fit: weights, gradients and optimizer state alone need "
+                                                f"{fmt_bytes(floor)}, over by {fmt_bytes(floor - usable)}"))
             continue
         host_floor = host_floors.get(_state_key(b), 0)
-        if host_bytes is not None and not cpu and host_floor > host_bytes:
+        if s.host_bytes is not None and not s.cpu and host_floor > s.host_bytes:
             bases.remove(b)
-            host_need[_family_name(b)] = host_floor
-            verdicts.append((_family_name(b), f"does not fit the host: offloading keeps {fmt_bytes(host_floor)} of "
-                                              f"weights, gradients and optimizer state there, over --host-memory by "
-                                              f"{fmt_bytes(host_floor - host_bytes)} (not traced)"))
+            s.host_need[_family_name(b)] = host_floor
+            s.verdicts.append((_family_name(b), f"does not fit the host: offloading keeps {fmt_bytes(host_floor)} "
+                                                f"of weights, gradients and optimizer state there, over --host-memory "
+                                                f"by {fmt_bytes(host_floor - s.host_bytes)} (not traced)"))
+    return bases, floors, depth
+
+
+def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
+            traced: dict | None) -> tuple[dict, list]:
+    """Each base's family (two probes), as {base: family}, and the bases whose tracing raised, as [(base,
+    error)]. A family plan_counts traced at another GPU count (`traced`) is predicted at this one (_AtCount);
+    one traced here is added to `traced`. Then the optimizer step in backward for the families that would
+    accumulate (_in_backward_bases)."""
     reused = {}
-    for b in bases if traced is not None and _state_key(b) in floors else []:
-        hit = traced.get(_count_free(b))
+    for b in bases if traced is not None else []:
+        hit = traced.get(_count_free(b)) if _state_key(b) in floors else None  # scaled by the floors
         if hit is not None:
             fam, at, floor = hit
-            then, now = outside_tensors(dev, at), outside_tensors(dev, b)
+            then, now = outside_tensors(s.dev, at), outside_tensors(s.dev, b)
             reused[b] = _AtCount(fam, at, b, (floor - then, floors[_state_key(b)] - now), now - then)
     fresh = [b for b in bases if b not in reused]
-    results = dict(zip(fresh, _probe_families(workload, fresh, dev, depth, "probing")))
-    failed = []
-
-    def take(base: Config, kind: str, value) -> None:
-        if kind == "ok":
-            families[base] = value
-        elif isinstance(value, LossChunkError):  # said once, in the notes
-            if not any(n.startswith("loss not chunked") for n in notes):
-                notes.append(f"loss not chunked: {value}")
-        elif isinstance(value, ConfigError):
-            verdicts.append((_family_name(base), f"cannot apply: {value}"))
-        else:  # the workload's own code, an op fake tensors lack, a crash: plan with the other families
-            failed.append((base, value))
-            verdicts.append((_family_name(base), f"skipped: tracing it raised {first_line(value)}"))
-
+    results = dict(zip(fresh, _probe_families(s.workload, fresh, s.dev, depth, "probing")))
+    families, failed = {}, []
     for base in bases:
         kind, value = ("ok", reused[base]) if base in reused else results[base]
-        take(base, kind, value)
+        _take(s, families, failed, base, kind, value)
         if kind == "ok" and traced is not None and base not in reused and _state_key(base) in floors:
             traced[_count_free(base)] = (value, base, floors[_state_key(base)])
-    # The optimizer step in backward holds no gradients but runs one micro-batch a step: traced for the
-    # families that would need accumulation (they do not fit the whole rank batch in one micro-batch), unless
-    # their forward pass alone is over the budget there: it is the same pass with or without the optimizer
-    # in backward, so its peak is a floor under that family's.
+    tight = _in_backward_bases(s, families)
+    for base, (kind, value) in zip(tight, _probe_families(s.workload, tight, s.dev, depth,
+                                                          "probing, with the optimizer step in backward,")):
+        _take(s, families, failed, base, kind, value)
+    return families, failed
+
+
+def _take(s: _Search, families: dict, failed: list, base: Config, kind: str, value) -> None:
+    """One probe's result: the family into `families`, or why not into the notes or verdicts (and a raise
+    into `failed`: the workload's own code, an op fake tensors lack, a crash; the plan goes on without it)."""
+    if kind == "ok":
+        families[base] = value
+    elif isinstance(value, LossChunkError):  # said once, in the notes
+        if not any(n.startswith("loss not chunked") for n in s.notes):
+            s.notes.append(f"loss not chunked: {value}")
+    elif isinstance(value, ConfigError):
+        s.verdicts.append((_family_name(base), f"cannot apply: {value}"))
+    else:
+        failed.append((base, value))
+        s.verdicts.append((_family_name(base), f"skipped: tracing it raised {first_line(value)}"))
+
+
+def _in_backward_bases(s: _Search, families: dict) -> list[Config]:
+    """The families to trace again with the optimizer step in backward, which holds no gradients but runs one
+    micro-batch a step: those that would need accumulation (they do not fit the whole rank batch in one
+    micro-batch), unless their forward pass alone is over the budget there: it is the same pass with or
+    without the optimizer in backward, so its peak is a floor under that family's."""
+    usable, per_rank = s.usable, s.per_rank
     accumulating = [(b, fam) for b, fam in families.items()
-                    if gpus == 1 and not (b.offload_optimizer or b.precision == "fp16" or b.optimizer_in_backward)
-                    and micro_batch in (None, per_rank) and per_rank >= fam.sizes[0]
-                    and fam.memory(per_rank, 1, cpu) > usable]
-    if accumulating and workload.max_grad_norm is not None:
-        verdicts += [(_family_name(b.replace(optimizer_in_backward=True)), "cannot apply: clipping by the total "
-                      "gradient norm (max_grad_norm) needs every gradient before any update") for b, _ in accumulating]
-        accumulating = []
+                    if s.gpus == 1 and not (b.offload_optimizer or b.precision == "fp16" or b.optimizer_in_backward)
+                    and s.micro_batch in (None, per_rank) and per_rank >= fam.sizes[0]
+                    and fam.memory(per_rank, 1, s.cpu) > usable]
+    if accumulating and s.workload.max_grad_norm is not None:
+        s.verdicts.extend((_family_name(b.replace(optimizer_in_backward=True)), "cannot apply: clipping by the "
+                           "total gradient norm (max_grad_norm) needs every gradient before any update")
+                          for b, _ in accumulating)
+        return []
     tight = []
     for b, fam in accumulating:
         in_backward = b.replace(optimizer_in_backward=True)
-        forward = fam.memory(per_rank, 1, cpu, phases={Phase.FORWARD: fam.phases(per_rank, 1)[Phase.FORWARD]})
+        forward = fam.memory(per_rank, 1, s.cpu, phases={Phase.FORWARD: fam.phases(per_rank, 1)[Phase.FORWARD]})
         if forward <= usable:
             tight.append(in_backward)
             continue
         name = _family_name(in_backward)
-        smallest_need[name] = forward
-        verdicts.append((name, f"does not fit: its forward pass alone needs about {fmt_bytes(forward)} at "
-                               f"micro-batch {per_rank}, over by {fmt_bytes(forward - usable)} (not traced)"))
-    for base, (kind, value) in zip(tight, _probe_families(workload, tight, dev, depth,
-                                                          "probing, with the optimizer step in backward,")):
-        take(base, kind, value)
-    if failed and not families:  # every family failed: that is the answer, unless fp32 was left out
-        base, error = failed[0]
-        answer = error if isinstance(error, (WorkloadError, EstimateError)) else WorkloadError(
-            f"tracing {_family_name(base)} at micro-batch 1 raised: {first_line(error)}")
-        if precision is None and "fp32" not in precisions:  # a model that cannot run in low precision (an FFT)
-            return _in_fp32(workload, global_batch, f"{_family_name(base)}: {first_line(error)}", answer, dict(
-                budget=budget, device=dev, micro_batch=micro_batch, activation_checkpoint=activation_checkpoint,
-                offload_activations=offload_activations, offload_optimizer=offload_optimizer, profile=profile,
-                confirm=confirm, gpus=gpus, data_parallel=data_parallel, gpus_per_node=gpus_per_node,
-                traced=traced, allow=allow, host_memory=host_memory))
-        raise answer from (None if answer is error else error)
+        s.smallest_need[name] = forward
+        s.verdicts.append((name, f"does not fit: its forward pass alone needs about {fmt_bytes(forward)} at "
+                                 f"micro-batch {per_rank}, over by {fmt_bytes(forward - usable)} (not traced)"))
+    return tight
+
+
+def _all_raised(s: _Search, failed: list, options: dict) -> Plan:
+    """Every family's tracing raised: the first error is the answer, unless fp32 was left out (a model that
+    cannot run in low precision, an FFT): then the plan in fp32 (`options`: plan's, to search it again)."""
+    base, error = failed[0]
+    answer = error if isinstance(error, (WorkloadError, EstimateError)) else WorkloadError(
+        f"tracing {_family_name(base)} at micro-batch 1 raised: {first_line(error)}")
+    if s.precision is None and "fp32" not in s.precisions:
+        return _in_fp32(s.workload, s.global_batch, f"{_family_name(base)}: {first_line(error)}", answer, options)
+    raise answer from (None if answer is error else error)
+
+
+def _sizes(s: _Search, base: Config, fam: _Family) -> list[int]:
+    """The micro-batches a family is priced at (with the optimizer step in backward: the rank batch only)."""
+    sizes = _micro_batches(s.per_rank, s.micro_batch, fam.sizes[0])
+    return [m for m in sizes if m == s.per_rank] if base.optimizer_in_backward else sizes
+
+
+def _candidates(s: _Search, families: dict) -> list[Candidate]:
+    """Every micro-batch x accumulation of each family that its probes predict to fit, and checkpointing every
+    k-th block (between a family's "none" and "all"), fastest first. Families over host_bytes or with no
+    micro-batch they train at are taken out of `families`."""
+    usable, cpu = s.usable, s.cpu
     rejected = next((f for f in families.values() if f.rejected), None)
     if rejected:
-        notes.append(f"{workload.name} cannot train at micro-batch 1 ({rejected.rejected}): probed at "
-                     f"{rejected.sizes[0]} and {rejected.sizes[1]}; micro-batch 1 is not offered")
-
+        s.notes.append(f"{s.workload.name} cannot train at micro-batch 1 ({rejected.rejected}): probed at "
+                       f"{rejected.sizes[0]} and {rejected.sizes[1]}; micro-batch 1 is not offered")
     candidates: list[Candidate] = []
     too_small: list[_Family] = []  # families with no micro-batch they train at
-    def sizes_of(base: Config, fam: _Family) -> list[int]:
-        sizes = _micro_batches(per_rank, micro_batch, fam.sizes[0])
-        return [m for m in sizes if m == per_rank] if base.optimizer_in_backward else sizes
-
     for base, fam in list(families.items()):
         name = _family_name(base)
-        if host_bytes is not None and not cpu and fam.host() > host_bytes:
+        if s.host_bytes is not None and not cpu and fam.host() > s.host_bytes:
             del families[base]
-            host_need[name] = fam.host()
-            verdicts.append((name, f"does not fit the host: offloading needs {fmt_bytes(fam.host())} of host "
-                                   f"memory, over --host-memory by {fmt_bytes(fam.host() - host_bytes)}"))
+            s.host_need[name] = fam.host()
+            s.verdicts.append((name, f"does not fit the host: offloading needs {fmt_bytes(fam.host())} of host "
+                                     f"memory, over --host-memory by {fmt_bytes(fam.host() - s.host_bytes)}"))
             continue
-        sizes = sizes_of(base, fam)
+        sizes = _sizes(s, base, fam)
         if not sizes:
             too_small.append(families.pop(base))
-            verdicts.append((name, f"cannot train at micro-batch {micro_batch or per_rank} ({fam.rejected})"))
+            s.verdicts.append((name, f"cannot train at micro-batch {s.micro_batch or s.per_rank} ({fam.rejected})"))
             continue
-        comm = comm_for(dev, base)
+        comm = comm_for(s.dev, base)
         for m in sizes:
-            accum = per_rank // m
+            accum = s.per_rank // m
             need = fam.memory(m, accum, cpu)
-            smallest_need[name] = min(smallest_need.get(name, need), need)
+            s.smallest_need[name] = min(s.smallest_need.get(name, need), need)
             if need <= usable:
                 cfg = fam.base.replace(micro_batch=m, grad_accum=accum)
-                candidates.append(Candidate(cfg, need, fam.seconds(rates(), m, accum, comm)))
+                candidates.append(Candidate(cfg, need, fam.seconds(s.rates(), m, accum, comm)))
         # every k-th block: between "none" and "all", by the share of blocks checkpointed
         none = families.get(base.replace(activation_checkpoint="none"))
-        if base.activation_checkpoint == "all" and none is not None and activation_checkpoint is None and gpus == 1:
-            candidates += _every_k(none, fam, global_batch, per_rank if base.optimizer_in_backward else micro_batch,
-                                   usable, cpu, rates)
+        if base.activation_checkpoint == "all" and none is not None and s.activation_checkpoint is None and s.gpus == 1:
+            candidates += _every_k(none, fam, s.global_batch,
+                                   s.per_rank if base.optimizer_in_backward else s.micro_batch, usable, cpu, s.rates)
     if too_small and not families:
         fam = too_small[0]
-        raise MicroBatchError(workload.name, micro_batch or global_batch, fam.sizes[0], fam.rejected)
-
+        raise MicroBatchError(s.workload.name, s.micro_batch or s.global_batch, fam.sizes[0], fam.rejected)
     candidates.sort(key=lambda c: c.step_seconds)
+    return candidates
+
+
+def _confirm(s: _Search, candidates: list[Candidate], confirm: int) -> list[Candidate]:
+    """The `confirm` fastest candidates a full estimate (full_probe, a core each) says fit, fastest first: one
+    whose estimate raises or refutes it is taken out of `candidates` and the next is confirmed instead.
+    `confirm` 0: the best prediction, said to be one. If every candidate raised, the first error is raised:
+    "nothing fits" would be wrong."""
     confirmed: list[Candidate] = []
     raised: list[Exception] = []
     queue = list(candidates)
-    while queue and len(confirmed) < confirm:  # full estimates of the fastest, a core each
+    while queue and len(confirmed) < confirm:
         batch, queue = queue[:confirm], queue[confirm:]
         stage = _Stage(f"confirming the {len(confirmed) + len(batch)} fastest of {len(candidates)} candidates by "
                        "full estimates", len(batch))
-        results = run_cached_many([functools.partial(full_probe, workload, c.config, dev) for c in batch],
+        results = run_cached_many([functools.partial(full_probe, s.workload, c.config, s.dev) for c in batch],
                                   on_done=stage.done)
         for cand, (kind, value) in zip(batch, results):
             label = _family_name(cand.config) + f", micro-batch {cand.config.micro_batch}"
             if kind != "ok":  # not offered; the next candidate is confirmed instead
                 raised.append(value)
                 candidates.remove(cand)
-                verdicts.append((label, f"skipped: its full estimate raised {first_line(value)}"))
+                s.verdicts.append((label, f"skipped: its full estimate raised {first_line(value)}"))
                 continue
             cand.peak_bytes, cand.confirmed, cand.estimate = _used(value.estimate), True, value.estimate
-            cand.step_seconds = _seconds(rates(), value, cand.config, dev)
+            cand.step_seconds = _seconds(s.rates(), value, cand.config, s.dev)
             host = value.estimate.host_peak_bytes or 0
-            if host_bytes is not None and host > host_bytes:
+            if s.host_bytes is not None and host > s.host_bytes:
                 candidates.remove(cand)
-                host_need[label] = host
-                verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(host)} of host"))
-            elif cand.peak_bytes <= usable:
+                s.host_need[label] = host
+                s.verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(host)} of host"))
+            elif cand.peak_bytes <= s.usable:
                 confirmed.append(cand)
             else:  # refuted: never offered, not even as an alternative
                 candidates.remove(cand)
-                verdicts.append((label, f"predicted to fit, but the full estimate needs {fmt_bytes(cand.peak_bytes)}"))
+                s.verdicts.append((label, f"predicted to fit, but the full estimate needs "
+                                          f"{fmt_bytes(cand.peak_bytes)}"))
         confirmed.sort(key=lambda c: c.step_seconds)
-    if confirm == 0 and candidates:  # the best prediction, said to be one
+    if confirm == 0 and candidates:
         confirmed = candidates[:1]
-    if not confirmed and raised and not queue:  # everything that fits raised: "nothing fits" would be wrong
+    if not confirmed and raised and not queue:
         raise raised[0]
-    if not confirmed:
-        hints = []
-        if smallest_need:
-            name = min(smallest_need, key=smallest_need.get)
-            traced_need = any(_family_name(b) == name for b in families)  # else only its state floor is known
-            hints.append(f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
-                         f"{fmt_bytes(smallest_need[name] / (1 - MARGIN))} of budget")
-        elif not host_need:
-            hints.append("no family could be traced")
-        if host_need:
-            untraced = all(_family_name(b) not in host_need for b in families)  # ruled out by state floors alone
-            hints.append(f"{len(host_need)} {'family' if len(host_need) == 1 else 'families'} that offload to the host "
-                         f"were ruled out by --host-memory {fmt_bytes(host_bytes)} (the least needs "
-                         f"{fmt_bytes(min(host_need.values()))} of host memory{'; not traced' if untraced else ''})")
-        if not cpu:
-            lean = Config(precision="bf16-pure" if bf16_pure_too else precisions[0], offload_optimizer=bool(
-                offload_optimizer), gpus=gpus, data_parallel="fsdp" if gpus > 1 else "none")
-            hints += _untried(workload, allowed, adapted, dev, usable, host_bytes, lean, micro_batch, per_rank)
-        raise PlanError(f"nothing fits in {fmt_bytes(budget_bytes)} on {dev.name} for a global batch of "
-                        f"{global_batch}: {'; '.join(hints)}")
-    best = confirmed[0]
+    return confirmed
+
+
+def _nothing_fits(s: _Search, families: dict) -> PlanError:
+    """"Nothing fits", with what would: the budget the smallest configuration tried needs, the families
+    host_bytes ruled out, and on a GPU the techniques not allowed that may fit (_untried)."""
+    hints = []
+    if s.smallest_need:
+        name = min(s.smallest_need, key=s.smallest_need.get)
+        traced_need = any(_family_name(b) == name for b in families)  # else only its state floor is known
+        hints.append(f"the smallest configuration tried needs {'about' if traced_need else 'at least'} "
+                     f"{fmt_bytes(s.smallest_need[name] / (1 - MARGIN))} of budget")
+    elif not s.host_need:
+        hints.append("no family could be traced")
+    if s.host_need:
+        untraced = all(_family_name(b) not in s.host_need for b in families)  # ruled out by state floors alone
+        count = len(s.host_need)
+        hints.append(f"{count} {'family' if count == 1 else 'families'} that offload to the host were ruled out "
+                     f"by --host-memory {fmt_bytes(s.host_bytes)} (the least needs "
+                     f"{fmt_bytes(min(s.host_need.values()))} of host memory{'; not traced' if untraced else ''})")
+    if not s.cpu:
+        lean = Config(precision="bf16-pure" if s.bf16_pure_too else s.precisions[0],
+                      offload_optimizer=bool(s.offload_optimizer), gpus=s.gpus,
+                      data_parallel="fsdp" if s.gpus > 1 else "none")
+        hints += _untried(s, lean)
+    return PlanError(f"nothing fits in {fmt_bytes(s.budget_bytes)} on {s.dev.name} for a global batch of "
+                     f"{s.global_batch}: {'; '.join(hints)}")
+
+
+def _choose(s: _Search, families: dict, candidates: list[Candidate], best: Candidate) -> Plan:
+    """The plan: `best`, the other candidates as alternatives, a verdict for every family probed (chosen,
+    how much slower, or by how much it is over), and where the plan offloads, the techniques that may not."""
+    verdicts = s.verdicts
     for base in families:
         name = _family_name(base)
         mine = [c for c in candidates if _family_name(c.config) == name]
         if name == _family_name(best.config):
             verdicts.insert(0, (name, f"chosen at micro-batch {best.config.micro_batch}"))
-        elif not mine and smallest_need[name] > usable:  # (else its candidates raised: said above)
-            over = smallest_need[name] - usable
+        elif not mine and s.smallest_need[name] > s.usable:  # (else its candidates raised: said above)
+            over = s.smallest_need[name] - s.usable
             verdicts.append((name, f"does not fit: over by {fmt_bytes(over)} even at micro-batch "
-                                   f"{min(sizes_of(base, families[base]))}"))
+                                   f"{min(_sizes(s, base, families[base]))}"))
         elif mine:
             fastest = min(mine, key=lambda c: c.step_seconds)
             verdicts.append((name, f"fits, {fastest.step_seconds / best.step_seconds:.2f}x slower "
                                    f"(best at micro-batch {fastest.config.micro_batch})"))
     if not any(v.startswith("chosen") for _, v in verdicts):
         verdicts.insert(0, (_family_name(best.config), f"chosen at micro-batch {best.config.micro_batch}"))
-    if best.config.offload_optimizer and not {"8bit-optim", "paged-optim"} & allowed:
+    if best.config.offload_optimizer and not {"8bit-optim", "paged-optim"} & s.allowed:
         host = f"{fmt_bytes(best.estimate.host_peak_bytes)} of " if best.estimate is not None else ""
-        notes.append(f"this plan keeps {host}master weights, gradients and optimizer state in host "
-                     "memory; not searched, as they change the math: --allow 8bit-optim (Adam's moments in 2 bytes a "
-                     "parameter instead of 8, which may fit on the GPU without offloading) and --allow paged-optim "
-                     "(those moments in host memory, paged to the GPU one parameter at a time)")
+        s.notes.append(f"this plan keeps {host}master weights, gradients and optimizer state in host "
+                       "memory; not searched, as they change the math: --allow 8bit-optim (Adam's moments in 2 bytes "
+                       "a parameter instead of 8, which may fit on the GPU without offloading) and --allow "
+                       "paged-optim (those moments in host memory, paged to the GPU one parameter at a time)")
     alternatives = [c for c in candidates if c is not best][:5]
-    return Plan(config=best.config, device=dev.name, budget_bytes=budget_bytes, usable_bytes=usable,
+    return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
                 peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
-                samples_per_second=global_batch / best.step_seconds, estimate=best.estimate,
-                alternatives=alternatives, families=verdicts, profile_source=describe(rates()), notes=notes,
+                samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate,
+                alternatives=alternatives, families=verdicts, profile_source=describe(s.rates()), notes=s.notes,
                 confirmed=best.confirmed)
 
 
@@ -848,7 +975,7 @@ def _in_fp32(workload: Workload, global_batch: int, why: str, answer: Exception,
     """`plan` in fp32, after every family in the device's low precision raised (`why`). If fp32 raises too,
     the model itself does not run: `answer`, the low-precision failure, is raised."""
     try:
-        found = plan(workload, global_batch, precision="fp32", **kept)
+        found = plan(workload, global_batch, **dict(kept, precision="fp32"))
     except PlanError as e:
         raise PlanError(f"{e} (fp32 searched: every family in low precision raised: {why})") from e
     except (WorkloadError, EstimateError, ConfigError):
@@ -886,32 +1013,31 @@ def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors:
     return floors, host_floors
 
 
-def _untried(workload: Workload, allowed: frozenset, adapted: bool, dev: Device, usable: int, host_bytes: int | None,
-             base: Config, micro_batch: int | None, per_rank: int) -> list[str]:
+def _untried(s: _Search, base: Config) -> list[str]:
     """For "nothing fits": the techniques that change the math and were not allowed, each with what its state
     floor needs in its leanest family (`base`'s precision and offload, the optimizer step in backward where it
     may), traced here; a floor within the limits says it may fit, the activations deciding."""
     tries = {}
-    if "8bit-optim" not in allowed and "paged-optim" not in allowed:
+    if "8bit-optim" not in s.allowed and "paged-optim" not in s.allowed:
         tries["8bit-optim"] = base.replace(optimizer_8bit=True)
-    if "paged-optim" not in allowed and base.gpus == 1 and not base.offload_optimizer:
+    if "paged-optim" not in s.allowed and base.gpus == 1 and not base.offload_optimizer:
         tries["paged-optim"] = base.replace(optimizer_8bit=True, paged_optimizer=True)
     for name, cfg in tries.items():
-        if _may_step_in_backward(cfg, workload, micro_batch, per_rank):
+        if _may_step_in_backward(cfg, s.workload, s.micro_batch, s.per_rank):
             tries[name] = cfg.replace(optimizer_in_backward=True)
-    floors, host_floors = _more_floors(workload, list(tries.values()), dev, {}, {})
+    floors, host_floors = _more_floors(s.workload, list(tries.values()), s.dev, {}, {})
     out = []
     for name, cfg in tries.items():
         key = _state_key(cfg)
         if key not in floors:
             continue
         on_device, on_host = floors[key], host_floors[key]
-        fits = on_device <= usable and (host_bytes is None or on_host <= host_bytes)
+        fits = on_device <= s.usable and (s.host_bytes is None or on_host <= s.host_bytes)
         where = f"{fmt_bytes(on_device)} on the GPU" + (f" and {fmt_bytes(on_host)} on the host" if on_host else "")
         family = ", ".join([cfg.precision] + [t for t in cfg.techniques() if "8-bit" not in t])
         out.append(f"--allow {name} {'may fit' if fits else 'does not help'}: in {family}, weights and optimizer "
                    f"state need {where}" + (" (the activations decide)" if fits else ""))
-    if not ({"lora", "qlora"} & allowed or adapted):
+    if not ({"lora", "qlora"} & s.allowed or s.adapted):
         out.append("--allow lora or qlora: only adapters train, their gradients and optimizer state a small share "
                    "of the model's")
     return out
