@@ -4,7 +4,7 @@ and the same model with another budget, on this machine.
     python benchmarks/plan_cache.py [--out benchmarks/results/plan_cache.json]    # about 5 minutes on 2 cores
 
 Cases: the Llama-3-8B shape (transformers' LlamaForCausalLM from its config values) at seq 2048, global
-batch 32, on an RTX 4090 (the whole card, then 20 GiB); gpt-7b at seq 4096, global batch 64, on an A100 80GB
+batch 32, on an RTX 4090 (the whole card, then 22 GiB); gpt-7b at seq 4096, global batch 64, on an A100 80GB
 (the whole card, then 60 GiB). The cache starts empty in a folder of this run's own. Each plan's chosen
 configuration and peak are recorded: from the cache they must be the first plan's.
 """
@@ -36,7 +36,7 @@ def main() -> None:
 
     folder = tempfile.mkdtemp()
     cases = [("Llama-3-8B shape, seq 2048, global batch 32", lambda: _workload(LLAMA3_8B, 2048, folder), 32,
-              "rtx-4090", (None, None, "20GiB")),
+              "rtx-4090", (None, None, "22GiB")),
              ("gpt-7b, seq 4096, global batch 64", lambda: builtin("gpt-7b", seq=4096), 64, "a100-80gb",
               (None, None, "60GiB"))]
     rows = []
