@@ -1,5 +1,5 @@
-"""The integration examples the README quotes run as shipped, each in its own interpreter, and print the
-split of the global batch they were given."""
+"""The integration examples the guide quotes (docs/integrations.md) run as shipped, each in its own
+interpreter, and print the split of the global batch they were given."""
 from __future__ import annotations
 
 import re

@@ -1,6 +1,6 @@
 """memfit's layers only look down, and no module reaches into another's private names.
 
-The contract (README "How it works"): the user's contract at the bottom, then the techniques, the step,
+The contract (docs/how-it-works.md, "The layers"): the user's contract at the bottom, then the techniques, the step,
 the memory model, the planner, the reports, the runtime, the command. A module may import memfit modules of
 its own layer or below; a cycle between modules is refused even inside one layer. Imports inside functions
 count too: deferring an import hides a dependency, it does not remove it.

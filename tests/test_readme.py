@@ -1,11 +1,17 @@
-"""Every example in the README's "Use" section runs as written.
+"""Every example in the README and in the user guide (docs/*.md) runs as written.
 
-The section's bash block is run line by line, in README order (a `--resume` follows the run it resumes), in
-a fresh folder holding a copy of `examples/` -- what a user typing them from the repository root has --
+The commands of every ```bash block -- each guide page's in the order of mkdocs.yml's nav, then the
+README's -- are run line by line, in that order (a `--resume` follows the run it resumes), each once: a
+command the README and a page share (the README's tour repeats the guide's) runs where it first appears. They run in
+a fresh folder holding a copy of `examples/` and `tests/data/hf_configs/` (the configs `memfit infer`'s
+examples read) -- what a user typing them from the repository root has --
 with a fresh calibration cache (MEMFIT_CACHE), as on a new machine. Each line goes, split as a shell splits
 it, to the function the installed `memfit` script calls (`memfit.cli.main`), in this process: a fresh
-interpreter per line cost ~1.6 s each (importing torch) and tests nothing of the README's (test_cli runs the
-installed script itself). Each Python block is run in its own interpreter. A block opening with
+interpreter per line cost ~1.6 s each (importing torch) and tests nothing of the docs' (test_cli runs the
+installed script itself). The README's set-up lines (`make demo`, `make test`) are not run here (one
+installs and trains, the other is the whole suite): each is checked to be a target of the Makefile.
+
+Each Python block is run in its own interpreter, once however many pages show it. A block opening with
 `# from <path>` shows part of a shipped file: it is checked to be a verbatim excerpt of that file instead
 of being run.
 
@@ -35,20 +41,38 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_MARKER = "# needs a GPU"
 
 
-def use_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"^## Use\n(.*?)(?=^## )", text, flags=re.S | re.M)
-    assert match, "README.md has no '## Use' section"
-    return match.group(1)
+def guide_pages() -> list[Path]:
+    """docs/*.md in the order of mkdocs.yml's nav, then any page the nav does not name (test_docs fails
+    on those)."""
+    named = re.findall(r"^\s*-\s*[^:\n]+:\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
+    pages = [ROOT / "docs" / name for name in named]
+    return pages + sorted(set((ROOT / "docs").glob("*.md")) - set(pages))
+
+
+def documents() -> list[Path]:
+    return [*guide_pages(), ROOT / "README.md"]
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", use_section(), flags=re.S | re.M)
+    """Every block of `language` in the README and the guide, in order, each distinct block once."""
+    found = [b for doc in documents()
+             for b in re.findall(rf"^```{language}\n(.*?)^```", doc.read_text(), flags=re.S | re.M)]
+    return list(dict.fromkeys(found))
+
+
+def shell_lines() -> list[str]:
+    lines = [line.strip() for block in blocks("bash") for line in block.splitlines()
+             if line.strip() and not line.strip().startswith("#")]
+    return list(dict.fromkeys(lines))
 
 
 def bash_lines() -> list[str]:
-    return [line.strip() for block in blocks("bash") for line in block.splitlines()
-            if line.strip() and not line.strip().startswith("#")]
+    """The memfit commands, each once: two lines that differ only in their comment are one command."""
+    commands = {}
+    for line in shell_lines():
+        if not line.startswith("make "):
+            commands.setdefault(tuple(shlex.split(line, comments=True)), line)
+    return list(commands.values())
 
 
 def _memfit_bin() -> Path:
@@ -64,6 +88,7 @@ def workdir(tmp_path_factory):
     in order, as one user session."""
     root = tmp_path_factory.mktemp("readme")
     shutil.copytree(ROOT / "examples", root / "examples")
+    shutil.copytree(ROOT / "tests" / "data" / "hf_configs", root / "tests" / "data" / "hf_configs")
     env = dict(os.environ, MEMFIT_CACHE=str(root / "cache"), COLUMNS="120",
                PATH=f"{_memfit_bin()}{os.pathsep}{os.environ.get('PATH', '')}")
     return root, env
@@ -74,21 +99,33 @@ def _run(argv: list[str], cwd: Path, env: dict, record_property, label: str) -> 
     result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - start
     record_property("seconds", round(seconds, 1))
-    print(f"{seconds:6.1f} s  {label}")
+    print(f"{seconds:6.1f} s  {line_label(label)}")
     return result
 
 
-def test_the_use_section_has_runnable_examples():
+def line_label(text: str) -> str:
+    return text if len(text) < 100 else text[:97] + "..."
+
+
+def test_the_docs_have_runnable_examples():
     lines = bash_lines()
     assert len(lines) >= 8 and any(line.startswith("memfit train") for line in lines)
-    assert blocks("python"), "no Python example in the Use section"
+    assert blocks("python"), "no Python example in the README or the guide"
     for line in lines:
         assert line.startswith("memfit "), f"not a memfit command: {line}"
         if "--device cuda" in line:
             assert line.endswith(GPU_MARKER), f"needs a GPU but is not marked {GPU_MARKER!r}: {line}"
 
 
-@pytest.mark.parametrize("line", bash_lines(), ids=lambda line: line.split("#")[0].strip())
+def test_the_set_up_lines_are_makefile_targets():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    makes = [shlex.split(line, comments=True) for line in shell_lines() if line.startswith("make ")]
+    assert ["make", "demo"] in makes and ["make", "test"] in makes, "the README's set-up lines are gone"
+    for argv in makes:
+        assert len(argv) == 2 and argv[1] in targets, f"{' '.join(argv)}: no such target in the Makefile"
+
+
+@pytest.mark.parametrize("line", bash_lines(), ids=lambda line: line_label(line.split("#")[0].strip()))
 def test_readme_command(line, workdir, record_property, monkeypatch, capfd):
     if line.endswith(GPU_MARKER) and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -111,7 +148,7 @@ def test_readme_command(line, workdir, record_property, monkeypatch, capfd):
         # commands after it calibrate when they need to, with a warning
         assert profiles() == before, "a rejected calibration was saved"
         pytest.skip(f"the machine was too noisy to calibrate: {err.strip()}")
-    print(f"{seconds:6.1f} s  {line}")
+    print(f"{seconds:6.1f} s  {line_label(line)}")
     assert code == 0, f"{line}\nexit {code}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
 
 
@@ -122,7 +159,7 @@ def test_readme_python(index, workdir, record_property):
     if first.startswith("# from "):
         shipped = (ROOT / first.removeprefix("# from ").strip()).read_text()
         excerpt = source.split("\n", 1)[1]
-        assert excerpt in shipped, f"the README's excerpt is not verbatim in {first[7:]}"
+        assert excerpt in shipped, f"the excerpt is not verbatim in {first[7:]}"
         return
     root, env = workdir
     r = _run([sys.executable, "-c", source], root, env, record_property, f"python block {index}")
