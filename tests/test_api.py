@@ -13,11 +13,13 @@ import memfit
 SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
 # raised on purpose though not a MemfitError: Ctrl-C stays Ctrl-C, and the virtual budget's OOM is the one
 # that OOM recovery and users' code already catch
-ALLOWED = {KeyboardInterrupt: None, torch.OutOfMemoryError: "memfit.memory.tracker"}
+# (and a module's __getattr__ must raise AttributeError for a name it lacks: Python's protocol)
+ALLOWED = {KeyboardInterrupt: None, torch.OutOfMemoryError: "memfit.memory.tracker",
+           AttributeError: "memfit.integrations.transformers"}
 
 
 def test_the_public_surface_is_small_and_importable():
-    assert len(memfit.__all__) <= 12
+    assert len(memfit.__all__) <= 14  # 12, and the serving and batch-size entry points with their result
     assert len(set(memfit.__all__)) == len(memfit.__all__)
     for name in memfit.__all__:
         assert getattr(memfit, name) is not None, name

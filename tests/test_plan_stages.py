@@ -4,6 +4,7 @@ import pytest
 
 import memfit.planner.search as search
 from memfit import Config
+from memfit.errors import PlanError
 from memfit.memory.devices import get_device
 from memfit.memory.estimate import Phase, state_bytes
 from memfit.planner.costmodel import Profile, describe
@@ -151,10 +152,14 @@ def test_the_choice_says_a_verdict_for_every_family(families):
 
 def test_nothing_fits_says_the_least_budget_and_host_memory_needed():
     s = searching(budget="1MiB", host="2MiB")
-    assert str(_nothing_fits(s, {})) == "nothing fits in 1 MiB on cpu for a global batch of 8: no family could be traced"
+    with pytest.raises(PlanError) as said:
+        _nothing_fits(s, {})
+    assert str(said.value) == "nothing fits in 1 MiB on cpu for a global batch of 8: no family could be traced"
     s.smallest_need.update(a=3 * 2**20, b=2 * 2**20)
     s.host_need.update(c=5 * 2**20, d=4 * 2**20)
-    assert str(_nothing_fits(s, {})) == (
+    with pytest.raises(PlanError) as said:
+        _nothing_fits(s, {})
+    assert str(said.value) == (
         f"nothing fits in 1 MiB on cpu for a global batch of 8: the smallest configuration tried needs at least "
         f"{fmt_bytes(2 * 2**20 / (1 - MARGIN))} of budget; 2 families that offload to the host were ruled out by "
         "--host-memory 2 MiB (the least needs 4 MiB of host memory; not traced)")

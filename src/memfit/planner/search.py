@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -505,7 +505,7 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     candidates = _candidates(s, families)
     confirmed = _confirm(s, candidates, confirm)
     if not confirmed:
-        raise _nothing_fits(s, families)
+        _nothing_fits(s, families)
     return _choose(s, families, candidates, confirmed[0])
 
 
@@ -816,8 +816,8 @@ def _confirm(s: _Search, candidates: list[Candidate], confirm: int) -> list[Cand
     return confirmed
 
 
-def _nothing_fits(s: _Search, families: dict) -> PlanError:
-    """"Nothing fits", with what would: the budget the smallest configuration tried needs, the families
+def _nothing_fits(s: _Search, families: dict) -> NoReturn:
+    """Raises "nothing fits", with what would: the budget the smallest configuration tried needs, the families
     host_bytes ruled out, and on a GPU the techniques not allowed that may fit (_untried)."""
     hints = []
     if s.smallest_need:
@@ -838,8 +838,8 @@ def _nothing_fits(s: _Search, families: dict) -> PlanError:
                       offload_optimizer=bool(s.offload_optimizer), gpus=s.gpus,
                       data_parallel="fsdp" if s.gpus > 1 else "none")
         hints += _untried(s, lean)
-    return PlanError(f"nothing fits in {fmt_bytes(s.budget_bytes)} on {s.dev.name} for a global batch of "
-                     f"{s.global_batch}: {'; '.join(hints)}")
+    raise PlanError(f"nothing fits in {fmt_bytes(s.budget_bytes)} on {s.dev.name} for a global batch of "
+                    f"{s.global_batch}: {'; '.join(hints)}")
 
 
 def _choose(s: _Search, families: dict, candidates: list[Candidate], best: Candidate) -> Plan:
