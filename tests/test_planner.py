@@ -626,9 +626,10 @@ def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
     """progress_to: past its delay every stage reports its traces as they end; before it, nothing."""
     from memfit.planner.search import progress_to
 
+    fixed = dict(budget="1GiB", profile=FLAT, precision="fp32", activation_checkpoint="none")
     lines = []
     with progress_to(lines.append, after=0):
-        plan(gpt, 16, budget="1GiB", profile=FLAT)
+        plan(gpt, 16, **fixed)
     assert lines[0].startswith("weights, gradients and optimizer state of ") and lines[0].endswith("0 of 1 traced")
     probing = [line for line in lines if line.startswith("probing ")]
     total = int(probing[0].split(" families")[0].split()[-1])
@@ -636,5 +637,5 @@ def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
     assert any(line.startswith("confirming the ") for line in lines)
     quiet = []
     with progress_to(quiet.append, after=3600):
-        plan(gpt, 16, budget="1GiB", profile=FLAT)
+        plan(gpt, 16, **fixed)
     assert quiet == []
