@@ -552,3 +552,18 @@ def test_a_range_of_counts_with_a_layout_plans_one_gpu_unsharded():
     one, two = (r["plan"] for r in rows)
     assert one.config.data_parallel == "none" and two.config.data_parallel == "fsdp"
     assert any("planned unsharded" in n for n in one.notes)
+
+
+def test_a_peer_aborted_in_the_same_second_is_not_blamed_for_the_failure():
+    """The agent stamps signal deaths to the second: rank 1 killed and rank 0 aborted by gloo as a result share
+    one; the message names rank 1. A real error stamped earlier still comes first."""
+    from types import SimpleNamespace
+
+    from memfit.runtime.distributed import _first_failure
+
+    def died(sig: str, at: int, exitcode: int = -6):
+        return SimpleNamespace(timestamp=at, exitcode=exitcode, signal_name=lambda: sig)
+
+    assert _first_failure({0: died("SIGABRT", 100), 1: died("SIGKILL", 100, -9)})[0] == 1
+    assert _first_failure({0: died("SIGABRT", 99), 1: died("SIGKILL", 100, -9)})[0] == 0
+    assert _first_failure({0: died("", 100, 1), 1: died("SIGABRT", 100)})[0] == 0

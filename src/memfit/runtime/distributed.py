@@ -76,7 +76,7 @@ def launch(gpus: int, argv: list[str], launch_id: str | None = None, debug: bool
     except ChildFailedError as e:
         if debug:
             raise
-        rank, failure = e.get_first_failure()
+        rank, failure = _first_failure(e.failures)
         how = (f"was stopped by {failure.signal_name()}" if failure.exitcode < 0
                else f"exited with status {failure.exitcode} (its error is above)")
         return f"rank {rank} of {gpus} {how}; the agent stopped the other ranks"
@@ -92,6 +92,17 @@ def launch(gpus: int, argv: list[str], launch_id: str | None = None, debug: bool
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _first_failure(failures: dict) -> tuple:
+    """The rank that failed first, and how. The agent stamps a rank stopped by a signal with the second it saw
+    it, so a rank killed and a peer that gloo then aborted (SIGABRT: its collective lost the killed rank) can
+    share one; within a second the abort is the consequence, not the cause."""
+    def order(rank):
+        failure = failures[rank]
+        return failure.timestamp, failure.exitcode < 0 and failure.signal_name() == "SIGABRT", rank
+    rank = min(failures, key=order)
+    return rank, failures[rank]
 
 
 def run_ranks(gpus: int, argv: list[str], out: Path, say=print, debug: bool = False) -> str | None:
