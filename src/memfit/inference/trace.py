@@ -173,7 +173,24 @@ def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.d
     return Traced(tracker.peak - base, layers, notes)
 
 
-class _RunsToTheEnd(TorchDispatchMode):
+class _ReadsAnswered(TorchDispatchMode):
+    """The values continuous batching reads back from tensors (the seed it broadcasts, the tokens each step
+    sampled) are not in fake tensors; answered 0, which with end-of-sequence disabled changes no schedule: the
+    scheduler's decisions come from the requests' lengths, not the tokens."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            return self.answer(args[0])
+
+    def answer(self, read: torch.Tensor):
+        return False if read.dtype is torch.bool else 0
+
+
+class _RunsToTheEnd(_ReadsAnswered):
     """`generate` reads values fake tensors lack: whether every sequence has finished (its stop check, once a
     token) and whether the prompt holds negative ids. Answered as a run that generates all `new_tokens`
     (no end-of-sequence token before then: the longest, largest run): the stop check says "not finished"
@@ -184,16 +201,11 @@ class _RunsToTheEnd(TorchDispatchMode):
         self.new_tokens = new_tokens
         self.checks = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        except DataDependentOutputException:
-            if func is not torch.ops.aten._local_scalar_dense.default:
-                raise
-            if _in_stop_check():
-                self.checks += 1
-                return self.checks >= self.new_tokens
-            return False if args[0].dtype is torch.bool else 0
+    def answer(self, read: torch.Tensor):
+        if _in_stop_check():
+            self.checks += 1
+            return self.checks >= self.new_tokens
+        return super().answer(read)
 
 
 def _in_stop_check() -> bool:
@@ -234,18 +246,7 @@ def generate_options(new_tokens: int) -> dict:
                 attention_mask=None)
 
 
-class _ReadsAnswered(TorchDispatchMode):
-    """The values continuous batching reads back from tensors (the seed it broadcasts, the tokens each step
-    sampled) are not in fake tensors; answered 0, which with end-of-sequence disabled changes no schedule: the
-    scheduler's decisions come from the requests' lengths, not the tokens."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        except DataDependentOutputException:
-            if func is not torch.ops.aten._local_scalar_dense.default:
-                raise
-            return False if args[0].dtype is torch.bool else 0
 
 
 def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num_blocks: int, max_batch_tokens: int,
