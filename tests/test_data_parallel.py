@@ -555,8 +555,8 @@ def test_a_range_of_counts_with_a_layout_plans_one_gpu_unsharded():
 
 
 def test_a_peer_aborted_in_the_same_second_is_not_blamed_for_the_failure():
-    """The agent stamps signal deaths to the second: rank 1 killed and rank 0 aborted by gloo as a result share
-    one; the message names rank 1. A real error stamped earlier still comes first."""
+    """The agent stamps signal deaths to the second: rank 1 killed and rank 0 aborted by gloo, or stopped by the
+    agent, as a result share one; the message names rank 1. A real error stamped earlier still comes first."""
     from types import SimpleNamespace
 
     from memfit.runtime.distributed import _first_failure
@@ -565,5 +565,6 @@ def test_a_peer_aborted_in_the_same_second_is_not_blamed_for_the_failure():
         return SimpleNamespace(timestamp=at, exitcode=exitcode, signal_name=lambda: sig)
 
     assert _first_failure({0: died("SIGABRT", 100), 1: died("SIGKILL", 100, -9)})[0] == 1
+    assert _first_failure({0: died("SIGTERM", 100, -15), 1: died("SIGKILL", 100, -9)})[0] == 1
     assert _first_failure({0: died("SIGABRT", 99), 1: died("SIGKILL", 100, -9)})[0] == 0
     assert _first_failure({0: died("", 100, 1), 1: died("SIGABRT", 100)})[0] == 0

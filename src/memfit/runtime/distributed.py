@@ -96,11 +96,11 @@ def launch(gpus: int, argv: list[str], launch_id: str | None = None, debug: bool
 
 def _first_failure(failures: dict) -> tuple:
     """The rank that failed first, and how. The agent stamps a rank stopped by a signal with the second it saw
-    it, so a rank killed and a peer that gloo then aborted (SIGABRT: its collective lost the killed rank) can
-    share one; within a second the abort is the consequence, not the cause."""
+    it, so a rank killed and its peers can share one: a peer gloo aborted (SIGABRT: its collective lost the
+    killed rank) or the agent itself stopped (SIGTERM) is, within that second, the consequence, not the cause."""
     def order(rank):
         failure = failures[rank]
-        return failure.timestamp, failure.exitcode < 0 and failure.signal_name() == "SIGABRT", rank
+        return failure.timestamp, failure.exitcode < 0 and failure.signal_name() in ("SIGABRT", "SIGTERM"), rank
     rank = min(failures, key=order)
     return rank, failures[rank]
 
