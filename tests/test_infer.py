@@ -239,3 +239,15 @@ def test_generate_batch_peak_matches_the_profiler(name):
 
         predicted = generate_batch_peak(config, requests, prompt, new, blocks, requests * (prompt + new))
         assert predicted == pytest.approx(measured(net, run), rel=0.01), (requests, prompt)
+
+
+def test_run_refuses_a_model_that_may_not_fit_the_host(monkeypatch):
+    """`--run` builds the model for real: an 8B config on this CPU is refused before anything is built."""
+    import memfit.inference.run as run
+    from memfit.errors import HostMemoryError
+
+    monkeypatch.setattr(run, "available_host_bytes", lambda: 8 * 2**30)
+    config = run.model_config("hf:tests/data/hf_configs/llama-3.1-8b.json")
+    with pytest.raises(HostMemoryError, match="--run builds the model for real"):
+        run._refuse_what_may_not_fit(config, 0)
+    run._refuse_what_may_not_fit(run.model_config("hf:llama"), 0)  # a toy size runs

@@ -11,9 +11,12 @@ import time
 
 import torch
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, HostMemoryError
 from memfit.inference import engines, kv
 from memfit.inference.serve import model_config
+from memfit.inference.weights import meta_model
+from memfit.memory.estimate import SAFE_HOST_SHARE
+from memfit.memory.isolate import available_host_bytes
 from memfit.units import fmt_bytes
 
 NEW_TOKENS = 16
@@ -24,6 +27,18 @@ def planned_blocks(config, requests: int, context: int) -> tuple[engines.PagedGe
     tokens each at once."""
     geometry = engines.paged_geometry(kv.layer_caches(config, "float32"))
     return geometry, requests * geometry.blocks_for(context)
+
+
+def _refuse_what_may_not_fit(config, cache_bytes: int) -> None:
+    """A real run holds the fp32 weights and the planned cache at least: where that is over the safe share of
+    the host's available memory (an 8B config on a laptop), none is started."""
+    weights = 4 * sum(p.numel() for p in meta_model(config).parameters())
+    allowance = int(SAFE_HOST_SHARE * available_host_bytes())
+    if weights + cache_bytes > allowance:
+        raise HostMemoryError(f"--run builds the model for real on this CPU: its fp32 weights ({fmt_bytes(weights)}) "
+                              f"and the planned cache ({fmt_bytes(cache_bytes)}) are over {fmt_bytes(allowance)}, "
+                              f"{SAFE_HOST_SHARE:.0%} of the host memory available, so none was run; --run is for "
+                              "toy sizes (hf:llama)")
 
 
 def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
@@ -37,6 +52,7 @@ def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
     if positions and context > positions:
         raise ConfigError(f"--context {context:,} is longer than the model's {positions:,} positions")
     geometry, blocks = planned_blocks(config, requests, context)
+    _refuse_what_may_not_fit(config, geometry.cache_bytes(blocks))
     torch.manual_seed(0)
     net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     prompts = torch.randint(1, config.vocab_size, (requests, context - NEW_TOKENS)).tolist()
