@@ -165,3 +165,32 @@ def test_on_fsdp_ranks_the_state_is_sharded_with_the_rows_and_trains_and_resumes
     fsdp = cfg.replace(micro_batch=8, grad_accum=1)
     est = memfit.estimate(WORKLOAD, fsdp)
     assert est.peak_bytes == pytest.approx(_lowest_rank_peak(WORKLOAD, fsdp, est.peak_bytes), rel=0.01)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_fake_trace_updates_parameters_shaped_alike_from_one(monkeypatch, paged):
+    """On fake tensors the prime makes the 8-bit state without updating, and in the measured step the first
+    optimizer-phase update of parameters shaped alike is traced for all of them: every figure, every recorded
+    op and the paged bytes as when each update is traced (an 8B's update is ~40,000 ops)."""
+    import contextlib
+
+    import memfit.memory.estimate as estimate_module
+    from memfit.strategies import optimizer_8bit
+
+    updates = []
+    real_update = optimizer_8bit.Adam8bit._update
+    monkeypatch.setattr(optimizer_8bit.Adam8bit, "_update",
+                        lambda self, p, group, update=True: (updates.append(update), real_update(self, p, group, update)))
+    wl = load_workload("gpt-tiny")  # blocks of identical parameters
+    config = Config(micro_batch=2, precision="fp32", optimizer_8bit=True, paged_optimizer=paged)
+    once = estimate_module.probe(wl, config, device="h100", isolate=False)
+    traced = updates.count(True)
+    updates.clear()
+    monkeypatch.setattr(estimate_module, "chunks_traced_once", lambda tracer: contextlib.nullcontext())
+    monkeypatch.setattr(estimate_module, "state_made_only", contextlib.nullcontext)
+    each = estimate_module.probe(wl, config, device="h100", isolate=False)
+    assert traced * 3 < updates.count(True)  # the prime's updates and the repeated ones were left out
+    assert once.ops == each.ops
+    for field in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "host_peak_bytes", "phase_peaks",
+                  "flops", "breakdown", "moved_bytes", "model_state_bytes"):
+        assert getattr(once.estimate, field) == getattr(each.estimate, field), field

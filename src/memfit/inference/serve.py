@@ -12,7 +12,7 @@ import dataclasses
 from memfit.errors import ConfigError, PlanError
 from memfit.inference import engines, kv
 from memfit.inference.trace import profile_peak
-from memfit.inference.weights import QUANTIZATIONS, weight_bytes
+from memfit.inference.weights import weight_bytes
 from memfit.memory.devices import Device, get_device, nccl_bytes
 
 ENGINES = ("vllm", "transformers")

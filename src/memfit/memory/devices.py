@@ -22,7 +22,6 @@ Conventions used by every catalogue entry (each figure's basis is noted beside i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import platform

@@ -35,9 +35,10 @@ from memfit.memory.tracker import (CATEGORIES, MODEL_STATE, Category, LiveBytes,
 from memfit.step import TrainStep
 from memfit.strategies import check_precision
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.strategies.base_4bit import chunks_traced_once, weight_count
+from memfit.strategies.base_4bit import weight_count
 from memfit.strategies.cuda_kernels import fused_elsewhere
 from memfit.strategies.offload import host_side
+from memfit.strategies.optimizer_8bit import chunks_traced_once, state_made_only
 from memfit.torch_internals import (compiled_modules, fake_process_group, grad_scaler_tensors, held_by,
                                     stand_ins_for_rng_state_copies, storage_key)
 from memfit.units import fmt_bytes
@@ -223,7 +224,8 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
         with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
         trace_optimizer(step.optimizer)
-        step.prime()
+        with state_made_only():
+            step.prime()
         host = {storage_key(t): t.untyped_storage().nbytes() for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
         grads = {storage_key(t) for p in step.model.parameters() if p.grad is not None for t in held_by(p.grad)}
@@ -332,7 +334,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
         notes += _step_notes(workload, step, config, cuda_target)
-        step.prime()
+        with state_made_only() if fake else contextlib.nullcontext():
+            step.prime()
         # on fake tensors a later size starts from the buffers as built, whose values are known: I-BERT
         # reassigns its running minimum from activations every forward, so after one step they are not. Held
         # here, a buffer the step replaces could not be freed: the last size lets go of them (a size between

@@ -622,13 +622,13 @@ class OpRecorder(_Scoped):
     def ops_recorded(self) -> int:
         return len(self.trace)
 
-    def repeat_ops(self, since: int, times: int) -> None:
-        """Record the ops recorded from position `since` on `times` more times, as if they had run again (a
-        4-bit weight's identical chunks, traced once: strategies/base_4bit.py)."""
+    def repeat_ops(self, since: int, times: int, until: int | None = None) -> None:
+        """Record the ops recorded from position `since` (up to `until`) `times` more times, as if they had run
+        again (work traced once: strategies/optimizer_8bit.chunks_traced_once)."""
         tr = self.trace
-        self._count(sum(tr.flops[since:]) * times)
+        self._count(sum(tr.flops[since:until]) * times)
         for column in (tr.flops, tr.bytes, tr.alloc, tr.kind, tr.phase, tr.name):
-            column.extend(column[since:] * times)
+            column.extend(column[since:until] * times)
 
 
 def _op_facts(func) -> tuple[str, str]:

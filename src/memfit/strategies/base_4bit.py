@@ -19,9 +19,6 @@ same bytes (its dequantization needs no temporaries beyond the weight).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
 from memfit.errors import ConfigError
@@ -101,7 +98,7 @@ class Linear4bit(torch.nn.Module):
         absmax += self.absmax_mean.view(torch.float32)
         pairs = torch.tensor(PAIRS, device=self.codes.device)
         out = torch.empty(n, dtype=dtype, device=self.codes.device)
-        tracer, whole = _TRACER.get(), n // CHUNK  # the first `whole` chunks are alike: CHUNK weights each
+        tracer, whole = optimizer_8bit.TRACER.get(), n // CHUNK  # the first `whole` chunks are alike: CHUNK weights each
         once = tracer is not None and whole > 1  # traced: the first of them stands for all
         first = tracer.ops_recorded() if once else None
         for start in [0, *range(whole * CHUNK, n, CHUNK)] if once else range(0, n, CHUNK):
@@ -122,24 +119,6 @@ class Linear4bit(torch.nn.Module):
 
 
 STORED = ("codes", "absmax", "absmax_scale", "absmax_mean")
-
-# A fake-tensor trace of a large 4-bit model spent most of its time on the identical chunks of each weight
-# (a 405B: ~575,000 of them a step). Each chunk frees all it takes, so one traced chunk has every chunk's
-# memory; the tracer records its ops as many times as there are chunks like it, for the step time.
-_TRACER: contextvars.ContextVar = contextvars.ContextVar("memfit_4bit_tracer", default=None)
-
-
-@contextlib.contextmanager
-def chunks_traced_once(tracer):
-    """While a step runs on fake tensors: trace the first of a weight's identical chunks only, and have
-    `tracer` (`ops_recorded()` -> a position, `repeat_ops(position, times)`) repeat its ops for the rest.
-    Never on real tensors: the weight's values would not be made."""
-    token = _TRACER.set(tracer)
-    try:
-        yield
-    finally:
-        _TRACER.reset(token)
-
 
 def weight_count(model: torch.nn.Module) -> int:
     """The weights `model` stands for: its parameters, a 4-bit layer's counted as its out x in weights rather
@@ -196,4 +175,4 @@ def apply_base_4bit(model: torch.nn.Module, layers: list[tuple[torch.nn.Module, 
         model.to(device)
 
 
-__all__ = ["Linear4bit", "apply_base_4bit", "check_base_4bit", "chunks_traced_once", "nf4_levels", "weight_count"]
+__all__ = ["Linear4bit", "apply_base_4bit", "check_base_4bit", "nf4_levels", "weight_count"]

@@ -31,10 +31,10 @@ class PagedAdam8bit(Adam8bit):
 
     moved_bytes = 0  # host <-> device bytes paged during the last step (TrainStep resets it)
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _update(self, p: torch.Tensor, group: dict, update: bool = True) -> None:
         held = self.state[p]
         self.state[p] = {k: self._page_in(v, p.device) for k, v in held.items()}
-        super()._update(p, group)  # a first update makes the state on the device; it goes to the host below
+        super()._update(p, group, update)  # a first update makes the state on the device; it goes to the host below
         pin = p.device.type == "cuda"
         self.state[p] = {k: self._page_out(v, held.get(k), pin) for k, v in self.state[p].items()}
 
