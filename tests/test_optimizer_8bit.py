@@ -170,13 +170,15 @@ def test_on_fsdp_ranks_the_state_is_sharded_with_the_rows_and_trains_and_resumes
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_fake_trace_updates_parameters_shaped_alike_from_one(monkeypatch, paged):
     """On fake tensors the prime makes the 8-bit state without updating, and in the measured step the first
-    optimizer-phase update of parameters shaped alike is traced for all of them: every figure, every recorded
-    op and the paged bytes as when each update is traced (an 8B's update is ~40,000 ops)."""
+    optimizer-phase update of parameters shaped alike is traced for all of them, and the first of a parameter's
+    full chunks for all but its last: every figure, every recorded op and the paged bytes as when each is
+    traced (an 8B's update is ~40,000 ops)."""
     import contextlib
 
     import memfit.memory.estimate as estimate_module
     from memfit.strategies import optimizer_8bit
 
+    monkeypatch.setattr(optimizer_8bit, "CHUNK", 20 * BLOCK)  # 80 rows: (256, 64) in 4 chunks, the last partial
     updates = []
     real_update = optimizer_8bit.Adam8bit._update
     monkeypatch.setattr(optimizer_8bit.Adam8bit, "_update",
