@@ -334,7 +334,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
         step.tracing = fake
         scalars = trace_optimizer(step.optimizer) if fake else None
         notes += _step_notes(workload, step, config, cuda_target)
-        with state_made_only() if fake else contextlib.nullcontext():
+        with state_made_only() if fake else contextlib.nullcontext(), \
+                router.priming() if router is not None else contextlib.nullcontext():
             step.prime()
         # on fake tensors a later size starts from the buffers as built, whose values are known: I-BERT
         # reassigns its running minimum from activations every forward, so after one step they are not. Held

@@ -142,6 +142,7 @@ class Routing(TorchDispatchMode):
         self.ctc_targets: list[int] = []  # the longest target of each CTC loss traced
         self._drawing = False  # inside drawing(): random factories draw real values too
         self._building = False  # inside building(): shadows hold their tensors strongly (see there)
+        self._priming = False  # inside priming(): no shadows made
         self._shadows: dict[int, _Shadow] = {}  # id(fake) -> its shadow
         self._aliases: dict[int, set[int]] = {}  # storage key -> ids of the shadowed fakes sharing that storage
 
@@ -161,6 +162,16 @@ class Routing(TorchDispatchMode):
             yield
         finally:
             self._drawing = False
+
+    @contextlib.contextmanager
+    def priming(self):
+        """Prime the optimizer: its state needs no values, and shadows of it would be real memory (an 8B's
+        8-bit moments are integer zeros, ~14 GiB of them under SHADOW_LIMIT_BYTES each)."""
+        self._priming = True
+        try:
+            yield
+        finally:
+            self._priming = False
 
     @contextlib.contextmanager
     def building(self):
@@ -197,6 +208,10 @@ class Routing(TorchDispatchMode):
             return answer_device_query(args, kwargs)
         if func is aten._grouped_mm.default:
             return _grouped_mm(*args, **kwargs)
+        if self._priming:
+            out = func(*args, **kwargs)
+            self._forget_mutated(args, kwargs, out)
+            return out
         shadow_args = self._shadow_args(args, kwargs)
         try:
             out = func(*args, **kwargs)
