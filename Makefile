@@ -27,4 +27,8 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/planner_cpu.py
 	$(PY) benchmarks/loop_overhead.py
 
-.PHONY: install demo test bench
+# BENCHMARKS.md, written from benchmarks/report/ and the scripts' results in benchmarks/results/.
+bench-render:
+	$(PY) benchmarks/render.py
+
+.PHONY: install demo test bench bench-render

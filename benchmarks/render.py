@@ -1,0 +1,273 @@
+"""Write BENCHMARKS.md from the section templates in benchmarks/report/ and the results in benchmarks/results/.
+
+    python benchmarks/render.py           rewrite BENCHMARKS.md
+    python benchmarks/render.py --check   exit 1, naming the sections that differ, when BENCHMARKS.md is not
+                                          what rendering gives
+
+Each file in report/ is one section (its numeric prefix fixes the order). A template is Markdown with two
+kinds of placeholder, both filled from the JSON files in results/:
+
+    {{ plan_cache.rows[0].seconds }}            a value: results/plan_cache.json, then the path into it
+    {{ fit_8b.plans[0].peak_bytes | GiB .2f }}  ... with a unit (GiB, MiB, %: x100) and a format spec
+    {{ table fit_8b }}                          a table written by the function TABLES["fit_8b"] below
+    {{ toc }}                                   the table of contents (the intro only)
+
+A figure quoted from a results file therefore cannot go stale without `--check` (and tests/test_benchmarks_render.py)
+saying so. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPORT = HERE / "report"
+RESULTS = HERE / "results"
+OUTPUT = HERE.parent / "BENCHMARKS.md"
+
+PLACEHOLDER = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+UNITS = {"GiB": 2**-30, "MiB": 2**-20, "KiB": 2**-10, "%": 100.0, "": 1.0}
+
+
+def results(name: str):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def lookup(data, path: str):
+    """`rows[0].seconds` into `data`."""
+    for name, index in re.findall(r"\.?([A-Za-z_][\w-]*)|\[(-?\d+)\]", path):
+        data = data[name] if name else data[int(index)]
+    return data
+
+
+def fmt(value, spec: str = "") -> str:
+    """`GiB .2f`, `,`, `+.2%`, or nothing: str()."""
+    unit, _, spec = spec.strip().rpartition(" ") if " " in spec.strip() else ("", "", spec.strip())
+    if spec in UNITS and not unit:
+        unit, spec = spec, ""
+    if unit:
+        value = value * UNITS[unit]
+    return format(value, spec) if spec else str(value)
+
+
+def signed_pct(fraction: float, digits: int = 2) -> str:
+    """An error as the tables print it: +0.00%, -0.68%; the sign is the fraction's own (-0.00% for -1e-9)."""
+    text = f"{abs(fraction) * 100:.{digits}f}%"
+    return ("-" if fraction < 0 else "+") + text
+
+
+def table(header: list[str], rows: list[list], align: list[str] | None = None) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align or ["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- tables written from results files ------------------------------------------------------------------
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def t_estimate_accuracy() -> str:
+    rows = []
+    for r in results("estimate_accuracy"):
+        err = signed_pct(r["error"])
+        if abs(r["error"]) > 0.05:
+            err = f"**{err}**"
+        rows.append([r["model"], r["optimizer"], r["precision"], r["micro_batch"], r["method"], _mib(r["estimate"]),
+                     _mib(r["profiler"]), err])
+    return table(["model", "optimizer", "precision", "micro-batch", "method", "estimate MiB", "profiler MiB", "error"],
+                 rows)
+
+
+def t_hf_accuracy() -> str:
+    rows = [[r["model"], r["precision"], r["micro_batch"], r["method"], _mib(r["estimate"]), _mib(r["profiler"]),
+             signed_pct(r["error"]), f"{r['seconds']:.1f}"] for r in results("hf_accuracy")]
+    return table(["model", "precision", "micro-batch", "method", "estimate MiB", "profiler MiB", "error",
+                  "estimate s"], rows)
+
+
+def _plan_gib(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def t_fit_8b() -> str:
+    chosen = {"keeps the math": "2 × 16, bf16-pure, checkpointing all, optimizer offload, loss in 8 chunks",
+              "--allow 8bit-optim --host-memory 96GiB": "the same with 8-bit optimizer states (changes the math)",
+              "--allow lora": "LoRA r=16 on every Linear layer, 1 × 32, bf16-pure, checkpointing all"}
+    rows = []
+    for p in results("fit_8b")["plans"]:
+        label = p["label"] if p["label"] == "keeps the math" else f"`{p['label']}`"
+        if p["label"] == "keeps the math":
+            label += " (bf16-pure allowed)"
+        host = p["host_peak_bytes"] / 2**30
+        rows.append([label, chosen[p["label"]], _plan_gib(p["device_peak_bytes"]),
+                     f"{host:.0f} GiB" if host >= 1 else "0", f"{p['step_seconds']:.1f} s", f"{p['seconds']:.1f} s"])
+    return table(["allowed", "chosen", "device peak", "host", "step (predicted)", "planned in"], rows)
+
+
+def t_plan_cache() -> str:
+    rows = results("plan_cache")["rows"]
+    short = {"micro-batch 2 x 16, bf16-pure, activation checkpointing all, optimizer offload, loss in 8 chunks":
+             "2 × 16, bf16-pure, checkpointing all, optimizer offload, loss in 8 chunks",
+             "micro-batch 1 x 32, bf16-pure, activation checkpointing all, optimizer offload":
+             "1 × 32 without the chunked loss",
+             "micro-batch 1 x 64, bf16-pure, activation checkpointing selective":
+             "1 × 64, bf16-pure, checkpointing selective",
+             "micro-batch 16 x 4, bf16-pure, activation checkpointing all, optimizer offload, loss in 8 chunks":
+             "16 × 4, checkpointing all, optimizer offload, loss in 8 chunks",
+             "micro-batch 1 x 32, bf16-pure, activation checkpointing all":
+             "LoRA r=16 on every Linear layer, 1 × 32, bf16-pure, checkpointing all"}
+    cases = {"Llama-3-8B shape, seq 2048, global batch 32": "Llama-3-8B shape, seq 2048, global batch 32, RTX 4090",
+             "gpt-7b, seq 4096, global batch 64": "gpt-7b, seq 4096, global batch 64, A100 80GB",
+             "Llama-3-8B shape, seq 2048, global batch 32, --allow 8bit-optim,lora":
+             "Llama-3-8B shape as above, `--allow 8bit-optim,lora`"}
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        cells = out.setdefault(cases[r["case"]], ["", "", ""])
+        if r["run"] == "first":
+            cells[0] = f"{r['seconds']} s: {short[r['chosen']]}, {r['peak_bytes'] / 2**30:.2f} GiB"
+        elif r["run"] == "again":
+            same = r["chosen"] == next(x for x in rows if x["case"] == r["case"] and x["run"] == "first")["chosen"]
+            cells[1] = f"{r['seconds']} s, " + ("the same plan" if same else short[r["chosen"]])
+        else:
+            cells[2] = (f"{r['budget'].replace('GiB', ' GiB')}: {r['seconds']} s, {short[r['chosen']]}, "
+                        f"{r['peak_bytes'] / 2**30:.2f} GiB")
+    return table(["case", "cold", "the same plan again", "another budget"], [[k, *v] for k, v in out.items()])
+
+
+def t_torchtune_8b() -> str:
+    d = results("torchtune_8b")
+    e, pub = d["estimate"], d["published_bytes"]
+    rows = []
+    for label, key in [("torch's `max_memory_allocated` (torchtune logs it as peak memory active/alloc)",
+                        "allocated_bytes"), ("torch's `max_memory_reserved`", "reserved_bytes"),
+                       ("device use as nvidia-smi shows it (CUDA context added)", "device_bytes")]:
+        rows.append([label, f"{e[key] / 2**30:.2f} GiB", f"{(e[key] / pub - 1) * 100:+.1f}%"])
+    rows.append(["host memory (the paged 8-bit states)", f"{e['host_bytes'] / 2**30:.2f} GiB", ""])
+    return table(["figure", "memfit", "vs 18.9 GiB"], rows)
+
+
+def t_infer_generate() -> str:
+    rows = [[r["model"], r["batch"], r["prompt"], r["new_tokens"], f"{r['estimate']:,}", f"{r['profiler']:,}",
+             signed_pct(r["error"], 4)] for r in results("infer")["generate"]]
+    return table(["model", "batch", "prompt", "new tokens", "memfit", "profiler", "error"], rows)
+
+
+def _b(n: int) -> str:
+    return f"{n:,} B"
+
+
+def _args(args: dict) -> str:
+    return ", ".join(f"`{k}={v}`" if isinstance(v, str) else f"`{k}={v!r}`" for k, v in args.items())
+
+
+def _diff(n: int) -> str:
+    return f"{n:+d} B"
+
+
+def t_integrations_trainer() -> str:
+    rows = [[r["model"], _args(r["args"]), _b(r["predicted"]), _b(r["profiled"]), _diff(r["diff_bytes"])]
+            for r in results("integrations")["trainer"]]
+    return table(["model", "arguments", "predicted", "profiled", "predicted − profiled"], rows)
+
+
+def t_integrations_fit() -> str:
+    rows = [[r["model"], _args(r["asked"]), r["budget"], ", ".join(r["allow"]) or "—", r["chosen"],
+             _b(r["predicted"]), _b(r["profiled"]), _diff(r["diff_bytes"]), f"{r['plan_seconds']:.1f} s"]
+            for r in results("integrations")["fit"]]
+    return table(["model", "asked", "budget", "allow", "chosen", "predicted", "profiled", "predicted − profiled",
+                  "planning"], rows)
+
+
+def t_integrations_lightning() -> str:
+    rows = [[r["precision"], r["clip"] or "off", r["budget"], r["chosen"], _b(r["predicted"]), _b(r["profiled"]),
+             _diff(r["diff_bytes"])] for r in results("integrations")["lightning"]]
+    return table(["precision", "clipping", "budget", "chosen", "predicted", "profiled", "predicted − profiled"], rows)
+
+
+def t_step_time() -> str:
+    d = results("step_time")
+
+    def cell(r: dict) -> str:
+        return f"{r['predicted_s'] * 1e3:.1f} / {r['measured']['median_s'] * 1e3:.1f} ({r['measured_over_predicted']:.2f})"
+    rows = [[b["model"], b["precision"], f"{b['micro_batch']}×{b['grad_accum']}", cell(b), cell(a)]
+            for b, a in zip(d["before"]["rows"], d["after"]["rows"])]
+    return table(["model", "precision", "micro × accum", "before: pred / meas ms (ratio)",
+                  "after: pred / meas ms (ratio)"], rows)
+
+
+TABLES = {"step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
+          "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
+          "integrations_trainer": t_integrations_trainer,
+          "integrations_fit": t_integrations_fit, "integrations_lightning": t_integrations_lightning}
+
+
+# ---- rendering ------------------------------------------------------------------------------------------
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def toc(sections: list[str]) -> str:
+    lines = []
+    for text in sections:
+        for level, title in re.findall(r"^(##+) (.*)$", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M),
+                                       flags=re.M):
+            lines.append("  " * (len(level) - 2) + f"- [{title}](#{slug(title)})")
+    return "\n".join(lines)
+
+
+def fill(template: str, name: str) -> str:
+    def one(match: re.Match) -> str:
+        expr = match.group(1)
+        if expr.startswith("table "):
+            return TABLES[expr.split()[1]]()
+        if expr == "toc":
+            return match.group(0)  # filled once every section is rendered
+        path, _, spec = expr.partition("|")
+        stem, _, rest = path.strip().partition(".")
+        try:
+            return fmt(lookup(results(stem), rest), spec)
+        except (KeyError, IndexError, FileNotFoundError, TypeError) as e:
+            raise SystemExit(f"report/{name}: cannot fill {{{{ {expr} }}}}: {e!r}")
+    return PLACEHOLDER.sub(one, template)
+
+
+def sections() -> list[tuple[str, str]]:
+    """(template name, rendered text) in order."""
+    return [(p.name, fill(p.read_text(), p.name)) for p in sorted(REPORT.glob("*.md"))]
+
+
+def render() -> str:
+    parts = sections()
+    texts = [t.strip("\n") for _, t in parts]
+    contents = toc(texts[1:])
+    texts = [t.replace("{{ toc }}", contents) for t in texts]
+    return "\n\n".join(texts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if BENCHMARKS.md is not what rendering gives")
+    args = parser.parse_args(argv)
+    text = render()
+    if not args.check:
+        OUTPUT.write_text(text)
+        print(f"wrote {OUTPUT.name} ({len(text.splitlines())} lines) from {len(list(REPORT.glob('*.md')))} sections")
+        return 0
+    current = OUTPUT.read_text() if OUTPUT.exists() else ""
+    if current == text:
+        return 0
+    stale = [name for name, t in sections() if "{{ toc }}" not in t and t.strip("\n") not in current]
+    print("BENCHMARKS.md is not what `python benchmarks/render.py` gives; differing sections: "
+          + (", ".join(f"report/{n}" for n in stale) or "the table of contents or the joins between sections"))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
