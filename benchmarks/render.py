@@ -33,7 +33,51 @@ UNITS = {"GiB": 2**-30, "MiB": 2**-20, "KiB": 2**-10, "%": 100.0, "": 1.0}
 
 
 def results(name: str):
+    if name in DERIVED:
+        return DERIVED[name]()
     return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def hf_coverage_summary(name: str = "hf_coverage") -> dict:
+    """Counts and times over results/hf_coverage.json, by outcome; `row` gives one architecture's row."""
+    rows = results(name)
+    fake = [r for r in rows if r["method"] == "fake"]
+    by_method: dict[str, int] = {}
+    for r in rows:
+        by_method[r["method"]] = by_method.get(r["method"], 0) + 1
+    builds = len(rows) - by_method.get("refused", 0)
+    walls, cpus = sorted(r["wall_s"] for r in fake), sorted(r["cpu_s"] for r in fake)
+    mid = len(fake) // 2
+    return {"total": len(rows), **{k.replace(" ", "_"): v for k, v in by_method.items()}, "builds": builds,
+            "fake_share": len(fake) / builds,
+            "median_wall": walls[mid] if len(fake) % 2 else (walls[mid - 1] + walls[mid]) / 2,
+            "median_cpu": cpus[mid] if len(fake) % 2 else (cpus[mid - 1] + cpus[mid]) / 2,
+            "largest_rss": max(r["tree_rss_bytes"] for r in fake),
+            "row": {r["arch"]: r for r in rows}}
+
+
+def heldout_summary(name: str) -> dict:
+    """Rows of a held-out sweep (results/<name>.json) and how many are within 1%, 0.1% and 0.01% of the truth."""
+    rows = results(name)
+    errors = [abs(r["error_pct"]) for r in rows if r.get("error_pct") is not None]
+    return {"rows": len(rows), "architectures": len({r["arch"] for r in rows}), "compared": len(errors),
+            "within_1": sum(e <= 1 for e in errors), "within_0_1": sum(e <= 0.1 for e in errors),
+            "within_0_01": sum(e <= 0.01 for e in errors),
+            "row": {f"{r['arch']}_{r['precision']}": r for r in rows}}
+
+
+def heldout_families_summary() -> dict:
+    rows = results("heldout_families")
+    ran = [r for r in rows if r.get("error_pct") is not None]
+    return {"rows": len(rows), "models": len({r["model"] for r in rows}), "ran": len(ran),
+            "fake": sum(r["method"] == "fake" for r in ran), "measured": sum(r["method"] == "measured" for r in ran),
+            "within_1": sum(abs(r["error_pct"]) <= 1 for r in ran)}
+
+
+DERIVED = {"heldout_families_summary": heldout_families_summary,"hf_coverage_summary": hf_coverage_summary,
+           "hf_coverage_vlm_summary": lambda: hf_coverage_summary("hf_coverage_vlm"),
+           **{f"{n}_summary": (lambda n=n: heldout_summary(n))
+              for n in ("hf_heldout", "hf_heldout_classification", "hf_heldout_image_text")}}
 
 
 def lookup(data, path: str):
@@ -230,7 +274,7 @@ def fill(template: str, name: str) -> str:
         if expr == "toc":
             return match.group(0)  # filled once every section is rendered
         path, _, spec = expr.partition("|")
-        stem, _, rest = path.strip().partition(".")
+        stem, rest = re.match(r"(\w+)(.*)", path.strip()).groups()
         try:
             return fmt(lookup(results(stem), rest), spec)
         except (KeyError, IndexError, FileNotFoundError, TypeError) as e:
