@@ -158,6 +158,14 @@ def test_bad_input_is_one_line(argv, words, capsys):
     assert len(err.splitlines()) == 1 and words in err
 
 
+def test_a_missing_config_is_named_as_such_when_asked_for_a_concurrency(capsys, tmp_path):
+    """The search over settings for --concurrency says the model could not be read, not that nothing fits."""
+    missing = tmp_path / "nope.json"
+    assert main(["infer", f"hf:{missing}", "--concurrency", "4", "--context", "2048"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no such config file" in err and "do not fit" not in err
+
+
 def test_json_has_the_figures(capsys):
     import json
 

@@ -167,6 +167,8 @@ def inverse(model, concurrency: int, context: int, device: str | Device = "h100"
         try:
             full = infer(model, device, max_model_len=context, gpu_memory_utilization=1.0, **settings, **trial)
         except (PlanError, ConfigError) as e:
+            if isinstance(e, ConfigError) and trial is trials[0]:  # the user's own settings: not a matter of fit
+                raise
             last = e
             continue
         per_request = full.kv_cache_bytes / full.max_concurrency if full.max_concurrency else float("inf")
