@@ -116,6 +116,7 @@ def test_confirmation_drops_a_candidate_its_full_estimate_refutes(families, monk
     s = searching(precision="fp32")
     candidates = _candidates(s, dict(families))
     fastest, next_three, real = candidates[0], candidates[1:4], search.full_probe
+    predicted = [(c.config, c.step_seconds) for c in candidates]
 
     def refuting(workload, config, dev):
         p = real(workload, config, dev)
@@ -123,7 +124,11 @@ def test_confirmation_drops_a_candidate_its_full_estimate_refutes(families, monk
             p.estimate.peak_bytes = s.usable + 1
         return p
 
+    def seconds_off_by(extra):  # the full estimate's step time: the prediction plus `extra`
+        return lambda profile, p, config, dev: next(t for c, t in predicted if c == config) + extra
+
     monkeypatch.setattr(search, "full_probe", refuting)
+    monkeypatch.setattr(search, "_seconds", seconds_off_by(1000.0))
     confirmed = _confirm(s, candidates, 2)  # in twos: the fastest refuted, its partner and the next two confirmed
     assert sorted(map(id, confirmed)) == sorted(map(id, next_three)) and fastest not in candidates
     assert all(c.confirmed and c.estimate is not None and c.peak_bytes == c.estimate.peak_bytes for c in confirmed)
@@ -132,6 +137,13 @@ def test_confirmation_drops_a_candidate_its_full_estimate_refutes(families, monk
     assert s.verdicts == [(label, f"predicted to fit, but the full estimate needs {fmt_bytes(s.usable + 1)}")]
     monkeypatch.setattr(search, "full_probe", lambda *a: pytest.fail("confirm=0 estimates nothing"))
     assert _confirm(s, candidates, 0) == candidates[:1]
+
+    # confirmed as fast as predicted, the refuted one's partner beats every prediction left: no second round
+    s = searching(precision="fp32")
+    candidates = _candidates(s, dict(families))
+    monkeypatch.setattr(search, "full_probe", refuting)
+    monkeypatch.setattr(search, "_seconds", seconds_off_by(0.0))
+    assert _confirm(s, candidates, 2) == [candidates[0]] and candidates[0].config == next_three[0].config
 
 
 def test_the_choice_says_a_verdict_for_every_family(families):

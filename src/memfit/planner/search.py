@@ -776,13 +776,15 @@ def _candidates(s: _Search, families: dict) -> list[Candidate]:
 
 def _confirm(s: _Search, candidates: list[Candidate], confirm: int) -> list[Candidate]:
     """The `confirm` fastest candidates a full estimate (full_probe, a core each) says fit, fastest first: one
-    whose estimate raises or refutes it is taken out of `candidates` and the next is confirmed instead.
-    `confirm` 0: the best prediction, said to be one. If every candidate raised, the first error is raised:
-    "nothing fits" would be wrong."""
+    whose estimate raises or refutes it is taken out of `candidates` and the next is confirmed instead. Once
+    the fastest confirmed is at least as fast as every prediction left, no more are confirmed: none of them
+    could be chosen (the rest stay alternatives, predicted). `confirm` 0: the best prediction, said to be one.
+    If every candidate raised, the first error is raised: "nothing fits" would be wrong."""
     confirmed: list[Candidate] = []
     raised: list[Exception] = []
     queue = list(candidates)
-    while queue and len(confirmed) < confirm:
+    while queue and len(confirmed) < confirm and not (
+            confirmed and confirmed[0].step_seconds <= min(c.step_seconds for c in queue)):
         batch, queue = queue[:confirm], queue[confirm:]
         stage = _Stage(f"confirming the {len(confirmed) + len(batch)} fastest of {len(candidates)} candidates by "
                        "full estimates", len(batch))
