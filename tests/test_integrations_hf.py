@@ -1,6 +1,6 @@
-"""Hugging Face Trainer: memfit's estimate of the step Trainer runs against the profiler's peak of a real
-`Trainer.train()` on the CPU, the arguments `fit_training_args` returns, `--emit` read back by HfArgumentParser,
-and the refusals."""
+"""Hugging Face Trainer and TRL's SFTTrainer: memfit's estimate of the step each runs against the profiler's
+peak of a real `.train()` on the CPU, the arguments `fit_training_args` returns, `--emit` read back by
+HfArgumentParser, and the refusals."""
 from __future__ import annotations
 
 import json
@@ -160,3 +160,78 @@ def test_callback_sets_the_arguments_at_init_end_and_the_run_peaks_where_predict
         callback.plan.config.micro_batch, callback.plan.config.grad_accum)
     assert trainer.state.global_step == 3
     assert abs(callback.plan.peak_bytes - truth) <= SCALARS, (callback.plan.config.describe(), truth)
+
+
+def _sft(tmp_path, **kw):
+    """An SFTConfig as a user writes one for a CPU run: TRL's defaults kept (bf16, activation checkpointing,
+    the fused LM head's "nll" loss), rows of SEQ tokens."""
+    trl = pytest.importorskip("trl")
+    base = dict(use_cpu=True, max_steps=3, report_to=[], save_strategy="no", logging_strategy="no",
+                disable_tqdm=True, max_length=SEQ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return trl.SFTConfig(str(tmp_path), **{**base, **kw})
+
+
+def _sft_data(vocab: int):
+    """Tokenized rows of exactly SEQ tokens (SFTTrainer keeps them: it adds no EOS to tokenized rows, and they
+    are within max_length), so every micro-batch is SEQ long as memfit's estimate assumes; and a word-level
+    tokenizer made here (no download) that SFTTrainer reads only its pad and EOS tokens from."""
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<pad>")),
+        pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    import torch
+
+    ids = torch.randint(3, vocab, (64, SEQ), generator=torch.Generator().manual_seed(0))
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist()}), tokenizer
+
+
+def test_estimate_is_the_peak_of_sft_trainer_train(tmp_path):
+    """The other side of SFTTrainer's defaults: fp32, no checkpointing, the "dft" loss, accumulation."""
+    trl = pytest.importorskip("trl")
+    make, _ = _maker("llama")
+    data, tokenizer = _sft_data(load_config("llama").vocab_size)
+    args = _sft(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, bf16=False,
+                activation_checkpointing=False, loss_type="dft")
+    truth, trainer = trainer_peak(make, args, data, trainer_class=trl.SFTTrainer, processing_class=tokenizer)
+    predicted = estimate_training_args(make(), args, seq_len=SEQ, device="cpu")
+    assert trainer.state.global_step == 3
+    assert abs(predicted.peak_bytes - truth) <= SCALARS, (predicted.peak_bytes, truth)
+
+
+def test_fit_sft_config_keeps_the_global_batch_and_sft_trainer_peaks_where_predicted(tmp_path):
+    """SFTTrainer's own step (TRL's fused LM head, its loss, its collator's attention mask) planned under a
+    CPU budget that needs accumulation and checkpointing, then run by `trl.SFTTrainer(...).train()`."""
+    trl = pytest.importorskip("trl")
+    make, _ = _maker("llama")
+    data, tokenizer = _sft_data(load_config("llama").vocab_size)
+    user = _sft(tmp_path, per_device_train_batch_size=16)
+    before = user.to_dict()
+    args, plan = fit_training_args(make(), user, seq_len=SEQ, device="cpu", budget="36MiB")
+    assert user.to_dict() == before and type(args) is trl.SFTConfig
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 16
+    assert (args.optim, args.loss_type, args.max_length, args.bf16) == (user.optim, "nll", SEQ, True)
+    assert args.gradient_accumulation_steps > 1 and args.gradient_checkpointing  # what 36 MiB needs here
+    truth, trainer = trainer_peak(make, args, data, trainer_class=trl.SFTTrainer, processing_class=tokenizer)
+    assert trainer.state.global_step == 3 and trainer.args.per_device_train_batch_size == plan.config.micro_batch
+    assert abs(plan.peak_bytes - truth) <= SCALARS, (plan.config.describe(), plan.peak_bytes, truth)  # << 1%
+
+
+def test_what_sft_trainer_runs_unmodelled_is_refused_in_one_line(tmp_path):
+    make, _ = _maker("llama")
+    for kw, words in [(dict(padding_free=True, max_length=None), "padding_free / packing"),
+                      (dict(packing=True), "padding_free / packing"),
+                      (dict(activation_offloading=True), "activation_offloading"),
+                      (dict(gradient_checkpointing_kwargs={"selective": True}), "selective activation checkpointing")]:
+        with pytest.raises(ConfigError, match=words) as e:
+            fit_training_args(make(), _sft(tmp_path, **kw), seq_len=SEQ, device="cpu", budget="1GiB")
+        assert "\n" not in str(e.value) and str(e.value).startswith("not modelled by memfit for SFTTrainer")
+    with pytest.raises(ConfigError, match="mixtral, a Mixture-of-Experts model"):
+        fit_training_args(load_config("mixtral"), _sft(tmp_path), seq_len=SEQ, device="cpu", budget="1GiB")
+    with pytest.raises(ConfigError, match=r"a GPU \(h100\), where TRL's fused LM head runs Triton kernels"):
+        estimate_training_args(make(), _sft(tmp_path), seq_len=SEQ, device="h100")
+    with pytest.raises(ConfigError, match="seq_len=128 is longer than the SFTConfig's max_length=64"):
+        fit_training_args(make(), _sft(tmp_path), seq_len=2 * SEQ, device="cpu", budget="1GiB")

@@ -9,12 +9,19 @@ fp32). `estimate_training_args` adds what `Trainer.train()` holds beyond memfit'
 Accelerate's dataloader has already fetched for the next step (on a GPU, every micro-batch of the step too,
 as Accelerate puts them there when it fetches them). `fit_training_args` plans with that workload, keeps the
 user's global batch, and confirms the arguments it returns with `estimate_training_args`.
+
+With TRL's `SFTConfig` the step is `SFTTrainer`'s instead: its `compute_loss` calls the model with TRL's fused LM
+head (`add_fused_lm_head`: per-token log-probabilities, entropy and top-1 in vocabulary tiles, the full logits
+never made) and its collator's rows carry an attention mask. On a GPU that head runs Triton kernels and scores
+only the labelled positions, which memfit does not trace (it traces TRL's torch path, the CPU's): a GPU target
+is refused for SFTConfig.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 import warnings
 
@@ -24,11 +31,12 @@ from memfit.config import Config
 from memfit.errors import ConfigError, PlanError, WorkloadError
 from memfit.integrations.loops import plan_runnable, rebuilt, target
 from memfit.losses import chunking
+from memfit.memory.devices import get_device
 from memfit.memory.estimate import Category, Estimate, estimate
 from memfit.planner.search import Plan, check_allow
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, tensors_of
-from memfit.workloads.hf import from_config, load_config
+from memfit.workloads.hf import from_config, load_config, masks_as_in_a_real_run
 
 MISSING = "transformers is not installed: pip install 'memfit[hf]'"
 # args.optim values whose optimizer memfit builds as Trainer does (transformers' own handler); the rest of
@@ -72,8 +80,10 @@ def base_workload(model, seq_len: int) -> Workload:
 
 
 def trainer_workload(model, args, *, seq_len: int) -> Workload:
-    """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`, or a subclass such as TRL's
-    `SFTConfig`), as a memfit Workload; the micro-batch, accumulation and precision are `config_of(args)`."""
+    """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`), or `trl.SFTTrainer` with an
+    `SFTConfig` (its CPU path: module doc), as a memfit Workload; the micro-batch, accumulation and precision
+    are `config_of(args)`. `seq_len`: every row's length (for SFTTrainer, the length its collator pads the
+    micro-batch to, so rows of one length, or truncated to `max_length`, give the exact figure)."""
     not_modelled(args)
     return _step(model, args, seq_len, _checkpointing_of(args), mixed=bool(args.bf16 or args.fp16))
 
@@ -88,7 +98,10 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mi
     given apart from `args`: the planner's candidates are estimated without a TrainingArguments made for each
     (building one resets Accelerate's process-wide state, a live Trainer's included)."""
     transformers = _transformers()
-    base = base_workload(model, seq_len)
+    sft = _is_sft(args)
+    base = base_workload(model, _sft_rows(args, seq_len) if sft else seq_len)
+    if sft:
+        _refuse_moe(model)
     built = []
 
     def build() -> torch.nn.Module:
@@ -98,14 +111,17 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mi
             kwargs = dict(kwargs or {})
             every = kwargs.pop("every_n_layers", 1)
             kwargs.pop("offload", None)  # refused by not_modelled where it is set
+            kwargs.pop("selective", None)  # TRL's key, dropped by SFTTrainer; refused where it is set
             if hasattr(m, "activation_checkpointing_enable"):
                 m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every)
             else:  # transformers before 5.2x: the old name, no every_n_layers
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-        if mixed:  # Accelerate's mixed precision returns the outputs in fp32
+        if sft:
+            _add_fused_lm_head(m)
+        if mixed:  # Accelerate's mixed precision returns the outputs in fp32 (of the forward SFTTrainer patched)
             from accelerate.utils import convert_outputs_to_fp32
 
-            m.forward = types.MethodType(convert_outputs_to_fp32(type(m).forward), m)
+            m.forward = types.MethodType(convert_outputs_to_fp32(m.forward.__func__), m)
         built[:] = [m.train()]
         return built[0]
 
@@ -131,9 +147,67 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mi
                    "weight_decay": args.weight_decay if d else 0.0} for d in (True, False)]
         return cls(groups, **kwargs)
 
+    def sft_batch(n: int) -> dict:
+        """DataCollatorForLanguageModeling's rows: the ids, their labels and an attention mask of ones."""
+        rows = base.batch(n)
+        return {**rows, "attention_mask": torch.ones_like(rows["input_ids"])}
+
+    def sft_loss(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """SFTTrainer.compute_loss: the fused head's summed negative log-likelihood ("dft" weighs each token by
+        its probability) over the labelled tokens, here the micro-batch's own count, as in `loss`. Its metrics
+        (entropy, token accuracy, tokens seen) are sums read back with `.item()`: 0-d tensors, left out."""
+        with masks_as_in_a_real_run():  # the mask of ones is left out, as transformers does where SDPA runs
+            out = m(**batch, use_cache=False, fused_lm_head=True)
+        per_token = -out.log_probs
+        if args.loss_type == "dft":
+            per_token = per_token * out.log_probs.exp().detach()
+        return per_token.sum() / out.label_mask.sum().clamp(min=1)
+
     clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-    return Workload(model=build, batch=base.batch, loss=loss, optimizer=optimizer, name=f"Trainer({base.name})",
+    return Workload(model=build, batch=sft_batch if sft else base.batch, loss=sft_loss if sft else loss,
+                    optimizer=optimizer, name=f"{'SFTTrainer' if sft else 'Trainer'}({base.name})",
                     max_grad_norm=clip)
+
+
+def _is_sft(args) -> bool:
+    """Whether `args` is TRL's SFTConfig: if so, trl is imported already (trl is an optional extra, never
+    imported here for plain TrainingArguments)."""
+    module = sys.modules.get("trl.trainer.sft_config")
+    return module is not None and isinstance(args, module.SFTConfig)
+
+
+def _sft_rows(args, seq_len: int) -> int:
+    """The length of SFTTrainer's micro-batches of rows of `seq_len` tokens: its collator pads them up to
+    `pad_to_multiple_of`; a `seq_len` over `max_length` is refused, as SFTTrainer truncates every row to it."""
+    if args.max_length is not None and seq_len > args.max_length:
+        raise ConfigError(f"seq_len={seq_len} is longer than the SFTConfig's max_length={args.max_length}, to which "
+                          f"SFTTrainer truncates every row: plan for seq_len={args.max_length}")
+    multiple = args.pad_to_multiple_of or 1
+    return -(-seq_len // multiple) * multiple
+
+
+def _refuse_moe(model) -> None:
+    """SFTTrainer turns a Mixture-of-Experts model's router logits and load-balancing loss on (into the fused
+    head's forward), which memfit has not checked against a run: refused before any trace, in one line."""
+    transformers = _transformers()
+    if isinstance(model, str):
+        config = load_config(model[3:])
+    elif isinstance(model, transformers.PretrainedConfig):
+        config = model
+    else:
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    if hasattr(config.get_text_config(), "output_router_logits"):
+        raise ConfigError(f"not modelled by memfit for SFTTrainer: {config.model_type}, a Mixture-of-Experts model "
+                          "(SFTTrainer adds its router logits' load-balancing loss); no estimate is made for it")
+
+
+def _add_fused_lm_head(m: torch.nn.Module) -> None:
+    """TRL's own fused LM head, added as SFTTrainer adds it (to the base model under PEFT, with the outputs
+    its metrics read), so that the traced head is TRL's code."""
+    from trl.trainer import add_fused_lm_head
+
+    add_fused_lm_head(m.get_base_model() if hasattr(m, "get_base_model") else m,
+                      outputs=("log_probs", "entropy", "is_top1"))
 
 
 def _accepts_loss_kwargs(m: torch.nn.Module) -> bool:
@@ -154,10 +228,18 @@ def _shifts_labels(m: torch.nn.Module) -> bool:
 
 
 def not_modelled(args) -> None:
-    """One clear line for what `Trainer` would do with `args` that memfit does not model: a number for it
-    would be silently wrong."""
-    why = None
-    if args.deepspeed:
+    """One clear line for what `Trainer` (or `SFTTrainer`, for an SFTConfig) would do with `args` that memfit
+    does not model: a number for it would be silently wrong."""
+    why, sft = None, _is_sft(args)
+    if sft and (args.padding_free or args.packing):
+        why = ("padding_free / packing (SFTTrainer then concatenates the rows into one sequence without padding, "
+               "its attention from position_ids; memfit models padded rows of seq_len tokens): set "
+               "padding_free=False, packing=False")
+    elif sft and args.activation_offloading:
+        why = "activation_offloading (TRL's saved activations in pinned host memory)"
+    elif sft and (args.gradient_checkpointing_kwargs or {}).get("selective"):
+        why = "selective activation checkpointing (TRL's gradient_checkpointing_kwargs={'selective': True})"
+    elif args.deepspeed:
         why = "DeepSpeed (its ZeRO stages, buffers and offload are not memfit's layouts)"
     elif args.torch_compile:
         why = "torch_compile (a compiled step keeps other tensors than the eager one memfit traces)"
@@ -177,7 +259,16 @@ def not_modelled(args) -> None:
         why = (f"{max(args.world_size, args.n_gpu)} processes or GPUs without FSDP: Accelerate's DDP keeps its "
                "buckets apart from the gradients (gradient_as_bucket_view=False), which memfit's ddp layout does not")
     if why:
-        raise ConfigError(f"not modelled by memfit for Trainer: {why}; no estimate is made for it")
+        raise ConfigError(f"not modelled by memfit for {'SFTTrainer' if sft else 'Trainer'}: {why}; no estimate is "
+                          "made for it")
+
+
+def _check_target(args, dev) -> None:
+    """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces."""
+    if _is_sft(args) and dev.kind == "cuda":
+        raise ConfigError(f"not modelled by memfit for SFTTrainer: a GPU ({dev.name}), where TRL's fused LM head "
+                          "runs Triton kernels on the labelled positions only (memfit traces its torch path, the "
+                          "CPU's); no estimate is made for it")
 
 
 def config_of(args) -> Config:
@@ -190,7 +281,9 @@ def config_of(args) -> Config:
 def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu") -> Estimate:
     """The peak of `Trainer(model, args).train()`'s steps on `device`: memfit's estimate of
     `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc)."""
-    return _with_loader(trainer_workload(model, args, seq_len=seq_len), config_of(args), device)
+    wl = trainer_workload(model, args, seq_len=seq_len)
+    _check_target(args, get_device(device))
+    return _with_loader(wl, config_of(args), device)
 
 
 def _with_loader(wl: Workload, config: Config, device) -> Estimate:
@@ -280,6 +373,7 @@ def _fit(model, args, seq_len: int, device, budget, allow) -> Plan:
                           "under Trainer; adapters are the model's, not the arguments')")
     not_modelled(args)
     dev, limit = target(device, budget)
+    _check_target(args, dev)
     user = config_of(args)
     searched = _step(model, args, seq_len, (False, None), mixed=user.precision != "fp32")
 
