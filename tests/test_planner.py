@@ -523,12 +523,13 @@ def test_op_alignment_is_a_longest_common_subsequence():
 
 
 def test_a_deep_model_is_predicted_from_two_shallow_copies():
-    """12 identical blocks (the planner copies from 24 on; the line is the same): copies of 4 and 8 blocks,
-    their phases extended to 12, predict what the whole model's probes predict (CPU: to the byte; an FSDP GPU
-    target: within 1%), and its step time. Blocks that differ are not copied."""
+    """12 identical blocks (the planner copies from 24 on; the line is the same): copies of `depths` blocks
+    (2 and 4 on one CPU, 4 and 8 across FSDP ranks), their phases extended to 12, predict what the whole
+    model's probes predict (CPU: to the byte; an FSDP GPU target: within 1%), and its step time. Blocks that
+    differ are not copied."""
     from memfit.memory.estimate import probe_pair
     from memfit.memory.fake import FakeBuild, new_fake_mode
-    from memfit.planner.search import DEPTHS, _DeepFamily, _Family, shallow, stack_depth
+    from memfit.planner.search import _DeepFamily, _Family, depths, shallow, stack_depth
 
     wl = builtin("gpt-tiny", layers=12)
     with new_fake_mode() as mode, FakeBuild(mode):
@@ -538,7 +539,7 @@ def test_a_deep_model_is_predicted_from_two_shallow_copies():
     cases = [("cpu", Config(activation_checkpoint="all")),
              ("h100", Config(precision="bf16", gpus=4, data_parallel="fsdp"))]
     traced = run_isolated_many([functools.partial(probe_pair, w, base, get_device(device)) for device, base in cases
-                                for w in (wl, *(shallow(wl, k) for k in DEPTHS))])  # in parallel, a core each
+                                for w in (wl, *(shallow(wl, k) for k in depths(base.gpus)))])  # a core each
     assert all(kind == "ok" for kind, _ in traced), traced
     for i, (device, base) in enumerate(cases):
         cpu = device == "cpu"

@@ -7,8 +7,8 @@ and "all" by the share of blocks it covers. Candidates are ranked by predicted s
 confirmed by a full estimate before one is chosen.
 
 A deep model (DEEP or more identical repeated blocks in one ModuleList) is probed as two shallow copies
-that keep only the first DEPTHS blocks: what a step holds and does is affine in the number of identical
-blocks (their parameters, state, saved activations and ops each add the same amount), so the two copies
+that keep only their first few blocks (`depths`): what a step holds and does is affine in the number of
+identical blocks (their parameters, state, saved activations and ops each add the same amount), so the two copies
 predict the full depth at a small share of the cost (a 70B model's 80 blocks traced as 4 and 8). Only
 the ranking rests on that: every configuration offered is confirmed by a full estimate of the whole model.
 """
@@ -277,9 +277,14 @@ class _AtCount:
 
 
 DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
-# the blocks those copies keep: from 4 on, FSDP's gathered, prefetched and reducing units are as many as at
-# any depth (copies of 2 and 4 blocks put a 70B's backward at 93 GiB where the whole model holds 32)
-DEPTHS = (4, 8)
+
+
+def depths(gpus: int) -> tuple[int, int]:
+    """The blocks the two shallow copies keep. Across ranks 4 and 8: from 4 on, FSDP's gathered, prefetched and
+    reducing units are as many as at any depth (copies of 2 and 4 blocks put a 70B's backward at 93 GiB where
+    the whole model holds 32). One GPU's step has no such units: 2 and 4 blocks rank its families as 4 and 8
+    do (the same plans for the 8B and 7B benchmarks) at half the tracing."""
+    return (2, 4) if gpus == 1 else (4, 8)
 
 
 def stack_depth(model: torch.nn.Module) -> int | None:
@@ -321,7 +326,7 @@ def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> 
         depth = None
     if depth is None or depth < DEEP:
         return None, _state_floors(workload, states, dev)
-    a, b = DEPTHS
+    a, b = depths(states[0].gpus if states else 1)
     short, tall = _state_floors(shallow(workload, a), states, dev), _state_floors(shallow(workload, b), states, dev)
     return depth, [tuple(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s, t)) for s, t in zip(short, tall)]
 
@@ -599,9 +604,9 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
     if depth:
-        s.notes.append(f"{s.workload.name}'s {depth} identical blocks probed as copies of {DEPTHS[0]} and "
-                       f"{DEPTHS[1]} blocks, extended to the full depth; every plan offered is confirmed on the whole "
-                       "model")
+        a, b = depths(s.gpus)
+        s.notes.append(f"{s.workload.name}'s {depth} identical blocks probed as copies of {a} and {b} blocks, "
+                       "extended to the full depth; every plan offered is confirmed on the whole model")
     if s.bf16_pure_too:
         if any(floors.get(_state_key(b), 0) <= usable for b in bases
                if b.precision == "bf16" and not b.offload_optimizer):
@@ -1055,8 +1060,9 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
         return [(kind, _Family(base, *value) if kind == "ok" else value)
                 for base, (kind, value) in zip(bases, run_cached_many(
                     [functools.partial(probe_pair, workload, b, dev) for b in bases], on_done=stage.done))]
-    copies = [shallow(workload, keep) for keep in DEPTHS]
-    stage = _Stage(f"{doing} {len(bases)} families as copies of {DEPTHS[0]} and {DEPTHS[1]} blocks", 2 * len(bases))
+    keep = depths(bases[0].gpus)
+    copies = [shallow(workload, k) for k in keep]
+    stage = _Stage(f"{doing} {len(bases)} families as copies of {keep[0]} and {keep[1]} blocks", 2 * len(bases))
     traced = run_cached_many([functools.partial(probe_pair, c, b, dev) for b in bases for c in copies],
                              on_done=stage.done)
     out = []
