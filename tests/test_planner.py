@@ -640,3 +640,28 @@ def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
     with progress_to(quiet.append, after=3600):
         plan(gpt, 16, **fixed)
     assert quiet == []
+
+
+@pytest.mark.parametrize("name", ["hf:llama", "hf:mixtral", "hf:gpt2"])
+def test_a_transformers_copy_built_with_fewer_layers_traces_as_the_cut_model(name):
+    """transformers' factories build a shallow copy from a config with fewer layers (the layers cut are never
+    built): the copy has that many blocks, and its probes are the whole model cut to them, byte for byte and
+    op for op."""
+    from memfit.memory.estimate import probe_pair
+    from memfit.memory.fake import FakeBuild, new_fake_mode
+    from memfit.planner.search import shallow, stack_depth
+    from memfit.workloads.hf import from_config, load_config
+
+    cfg = load_config(name[3:])
+    cfg.num_hidden_layers = 5
+    wl = from_config(cfg, seq=64)
+    with new_fake_mode() as mode, FakeBuild(mode):
+        assert stack_depth(wl.model.with_blocks(2)) == 2
+    cut = dataclasses.replace(wl, model=lambda: wl.model())  # a factory without with_blocks: built whole, then cut
+    config, dev = Config(micro_batch=1, precision="bf16"), get_device("h100")
+    (built, _), (whole, _) = probe_pair(shallow(wl, 2), config, dev), probe_pair(shallow(cut, 2), config, dev)
+    for a, b in zip(built, whole):
+        assert a.ops == b.ops
+        for field in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "phase_peaks", "flops",
+                      "breakdown", "parameters"):
+            assert getattr(a.estimate, field) == getattr(b.estimate, field), field

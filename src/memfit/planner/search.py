@@ -303,10 +303,16 @@ def stack_depth(model: torch.nn.Module) -> int | None:
 
 
 def shallow(workload: Workload, keep: int) -> Workload:
-    """`workload` with the first `keep` of its repeated blocks (stack_depth's); the planner's cheap copy."""
+    """`workload` with the first `keep` of its repeated blocks (stack_depth's); the planner's cheap copy. A
+    factory that builds fewer blocks itself (`with_blocks`: transformers' configs) is asked first, and its
+    model used where it has `keep` identical blocks; else the whole model is built and the rest cut."""
     build = workload.model
+    fewer = getattr(build, "with_blocks", None)
 
     def model() -> torch.nn.Module:
+        m = fewer(keep) if fewer is not None else None
+        if m is not None and stack_depth(m) == keep:
+            return m
         m = build()
         blocks = find_blocks(m)
         del m.get_submodule(blocks[0].rpartition(".")[0])[keep:]

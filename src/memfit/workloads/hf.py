@@ -342,6 +342,22 @@ def _builder(cfg, task: str):
         except (ValueError, ImportError, NotImplementedError):
             m = auto_cls.from_config(copy.deepcopy(cfg), attn_implementation="eager", dtype=dtype)
         return m.train()
+
+    def with_blocks(keep: int) -> torch.nn.Module | None:
+        """The model built with its first `keep` layers only, from `cfg` with that many (lists of one entry per
+        layer cut to match): the planner's shallow copies, without building the layers it would cut. None
+        where the config counts its layers otherwise."""
+        count = getattr(cfg, "num_hidden_layers", None)
+        if not isinstance(count, int) or cfg.get_text_config() is not cfg or keep >= count:
+            return None
+        fewer = copy.deepcopy(cfg)
+        fewer.num_hidden_layers = keep
+        for key, value in vars(fewer).items():
+            if isinstance(value, list) and len(value) == count:
+                setattr(fewer, key, value[:keep])
+        return _builder(fewer, task)()
+
+    model.with_blocks = with_blocks
     return model
 
 
