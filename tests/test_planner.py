@@ -642,19 +642,23 @@ def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
     assert quiet == []
 
 
-@pytest.mark.parametrize("name", ["hf:llama", "hf:mixtral", "hf:gpt2"])
+@pytest.mark.parametrize("name", ["hf:llama", "hf:mixtral", "hf:gpt2", "hf:llama+lora"])
 def test_a_transformers_copy_built_with_fewer_layers_traces_as_the_cut_model(name):
-    """transformers' factories build a shallow copy from a config with fewer layers (the layers cut are never
-    built): the copy has that many blocks, and its probes are the whole model cut to them, byte for byte and
-    op for op."""
+    """transformers' factories (and LoRA on them) build a shallow copy from a config with fewer layers (the
+    layers cut are never built): the copy has that many blocks, and its probes are the whole model cut to
+    them, byte for byte and op for op."""
     from memfit.memory.estimate import probe_pair
     from memfit.memory.fake import FakeBuild, new_fake_mode
     from memfit.planner.search import shallow, stack_depth
     from memfit.workloads.hf import from_config, load_config
 
-    cfg = load_config(name[3:])
+    from memfit.workloads.lora import lora
+
+    cfg = load_config(name[3:].removesuffix("+lora"))
     cfg.num_hidden_layers = 5
     wl = from_config(cfg, seq=64)
+    if name.endswith("+lora"):
+        wl = lora(wl, r=4, targets="all-linear")
     with new_fake_mode() as mode, FakeBuild(mode):
         assert stack_depth(wl.model.with_blocks(2)) == 2
     cut = dataclasses.replace(wl, model=lambda: wl.model())  # a factory without with_blocks: built whole, then cut

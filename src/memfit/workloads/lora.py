@@ -111,6 +111,16 @@ def lora(workload: Workload, r: int = 8, alpha: float | None = None, targets: It
     def model() -> torch.nn.Module:
         return _wrap(base_model(), options)
 
+    fewer = getattr(base_model, "with_blocks", None)
+
+    def with_blocks(keep: int) -> torch.nn.Module | None:
+        """The base's shallow copy (the planner's, built with fewer layers), adapted."""
+        base = fewer(keep)
+        return None if base is None else _wrap(base, options)
+
+    if fewer is not None:
+        model.with_blocks = with_blocks
+
     def optimizer(params):
         return workload.optimizer([p for p in params if p.requires_grad])
 
