@@ -18,7 +18,10 @@ class Workload:
     chooses, so that the same description can be estimated, planned and run.
 
     Args:
-        model: ``() -> nn.Module``, called under the target device context (fake, meta or real).
+        model: ``() -> nn.Module``, called under the target device context (fake, meta or real). It may
+            carry ``model.with_blocks(keep) -> nn.Module | None``, the same model built with only its first
+            `keep` repeated blocks: the planner's shallow copies of a deep model then skip building the rest
+            (transformers' configs and LoRA on them have it; without it the whole model is built and cut).
         batch: ``n -> batch`` of n samples: a tensor, or a tuple / list / dict of tensors (nested), samples
             along dim 0. A run seeds torch's RNG per step before calling it, so a resumed run sees the same data.
         loss: ``(model, batch) -> scalar tensor``, mean-reduced over the samples of the batch: memfit weights
