@@ -9,6 +9,7 @@ from memfit.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
 LAYOUTS = ("none", "ddp", "fsdp", "fsdp-no-reshard", "hsdp")
+PP_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
 MAX_GPUS = 4096
 
 
@@ -54,6 +55,15 @@ class Config:
             Under FSDP/HSDP, ``bf16`` is FSDP2's ``MixedPrecisionPolicy``: bf16 parameters for compute, fp32
             sharded master weights and fp32 gradient reduction (as torchtitan trains), not autocast.
         gpus_per_node: ranks per node (the shard group of ``hsdp``); None: all of them on one node.
+        pp: pipeline stages: the repeated blocks split evenly over ``pp`` ranks, each micro-batch's
+            activations sent from stage to stage (torch.distributed.pipelining). The ``grad_accum``
+            micro-batches of a step are the pipeline's micro-batches; the world is ``gpus * pp * tp`` ranks
+            (``gpus`` stays the data-parallel count).
+        pp_schedule: the order a stage runs its micro-batches' forwards and backwards: ``"gpipe"`` (every
+            forward, then every backward: a stage holds all ``grad_accum`` micro-batches' activations) or
+            ``"1f1b"`` (one forward, one backward once the pipeline is full: at most ``pp - stage`` held).
+        tp: tensor-parallel ranks: each block's attention and MLP matmuls split over ``tp`` ranks
+            (DTensor's ``parallelize_module``).
 
     Example::
 
@@ -76,6 +86,9 @@ class Config:
     gpus: int = 1
     data_parallel: str = "none"
     gpus_per_node: int | None = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    tp: int = 1
 
     def __post_init__(self):
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -89,6 +102,7 @@ class Config:
         if self.offload_optimizer and self.precision == "fp16":
             raise ConfigError("fp16 loss scaling with offload_optimizer is not supported: use bf16 or bf16-pure")
         self._check_layout()
+        self._check_model_parallel()
         self._check_in_backward()
         self._check_paged()
         ck = self.activation_checkpoint
@@ -142,6 +156,33 @@ class Config:
         if layout != "none" and (self.offload_optimizer or self.offload_activations):
             raise ConfigError("offload with data_parallel is not supported yet")
 
+    def _check_model_parallel(self) -> None:
+        for name in ("pp", "tp"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_GPUS:
+                raise ConfigError(f"{name} must be an integer from 1 to {MAX_GPUS}, got {n!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.pp_schedule!r}; choose one of {', '.join(PP_SCHEDULES)}")
+        if self.pp == 1 and self.tp == 1:
+            return
+        what = "pipeline" if self.pp > 1 else "tensor"
+        if self.pp > 1 and self.grad_accum < self.pp:
+            raise ConfigError(f"{self.pp} pipeline stages need at least {self.pp} micro-batches a step to keep every "
+                              f"stage busy: grad_accum is {self.grad_accum}")
+        for on, words in ((self.offload_optimizer or self.offload_activations, "offload"),
+                          (self.optimizer_in_backward, "optimizer_in_backward"),
+                          (self.optimizer_8bit or self.base_4bit, "8-bit optimizer states and 4-bit bases"),
+                          (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
+                          (self.gpus > 1, "data parallel beside it"),
+                          (self.pp > 1 and self.tp > 1, "pipeline and tensor parallel together")):
+            if on:
+                raise ConfigError(f"{words} with {what} parallelism is not supported yet")
+
+    @property
+    def world(self) -> int:
+        """Ranks of the run: data-parallel x pipeline x tensor-parallel."""
+        return self.gpus * self.pp * self.tp
+
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all ranks."""
@@ -177,6 +218,10 @@ class Config:
         parts += self.techniques()
         if self.gpus > 1:
             parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
+        if self.pp > 1:
+            parts.insert(0, f"{self.pp} pipeline stages {self.pp_schedule}")
+        if self.tp > 1:
+            parts.insert(0, f"tensor parallel {self.tp}")
         return ", ".join(parts)
 
     def techniques(self) -> list[str]:
