@@ -142,9 +142,9 @@ def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
 
 
 def rank_step_peaks(workload, config, repeats: int = 2) -> list[int]:
-    """`allocator_step_peak` on each of config.gpus real ranks (forked processes joined by gloo on this machine),
+    """`allocator_step_peak` on each of config.world real ranks (forked processes joined by gloo on this machine),
     each rank stepping on its own share of the batch: every rank's own peak, rank 0 first."""
-    return on_gloo_ranks(config.gpus, lambda rank: allocator_step_peak(workload, config, repeats))
+    return on_gloo_ranks(config.world, lambda rank: allocator_step_peak(workload, config, repeats))
 
 
 def generate_batch_peak(model, run) -> int:

@@ -170,7 +170,7 @@ def predict(workload: Workload, config: Config, dev) -> Prediction:
     yet), and this machine's CPU is not calibrated for it."""
     from memfit.planner.search import price
 
-    profile = profile_for(dev) if config.gpus == 1 else None
+    profile = profile_for(dev) if config.world == 1 else None
     est, seconds = price(workload, config, dev, profile=profile, timed=profile is not None)
     return Prediction(config, _comparable_peak(est), seconds, "estimate", est,
                       describe(profile) if profile else None)
@@ -285,7 +285,7 @@ class _Run:
         self.keep_checkpoints = keep_checkpoints
         self.predictions = predictions  # Config -> Prediction, for predicted vs measured
         self.trainer = Trainer(workload, config, device=device, seed=self.seed, global_batch=self.global_batch)
-        self.rank = torch.distributed.get_rank() if config.gpus > 1 else 0  # only rank 0 writes the run folder
+        self.rank = torch.distributed.get_rank() if config.world > 1 else 0  # only rank 0 writes the run folder
         console.print(schedule_line(identity["schedule"], self.trainer.optimizer.param_groups[0]["lr"], self.steps,
                                     identity["warmup"]))
         self.scheduler = make_scheduler(self.trainer.optimizer, identity["schedule"], self.steps, identity["warmup"])
@@ -314,7 +314,7 @@ class _Run:
         if self.saved_step == step:
             return path
         e = self.trainer.engine
-        if self.trainer.config.gpus > 1:
+        if self.trainer.config.world > 1:
             return self._save_ranks(step)
         noise = self.trainer.noise  # its moving averages go on after a resume
         bad = next((n for n, p in e.model.named_parameters() if not torch.isfinite(p).all()), None)
@@ -408,7 +408,7 @@ class _Run:
                 return loss, peak
             except torch.OutOfMemoryError as oom:
                 torch.set_rng_state(rng)
-                if self.trainer.config.gpus > 1:
+                if self.trainer.config.world > 1:
                     self._restart_ranks(step, oom)  # raises
                 events.append(self._recover(step, oom))
 
@@ -482,7 +482,7 @@ class _Run:
                                    f"{self.refusals[cand.activation_checkpoint]}")
                     continue
             return cand, [f"step {step}: out of memory ({phase}) at {old.describe()}{self._held(old)}", *skipped]
-        if old.gpus > 1:  # saving is a collective the other ranks, stuck in the step, cannot join
+        if old.world > 1:  # saving is a collective the other ranks, stuck in the step, cannot join
             raise RunError("; ".join([f"rank {self.rank}: step {step}: out of memory at {old.describe()} and "
                                       "nothing smaller is left to try", *skipped, self.intact()])) from oom
         path = self.save(step)
@@ -565,7 +565,7 @@ class _Run:
                     if live is not None:
                         rec["live_bytes"] = live
                         self._watch_growth(step, live)
-                    if cfg.gpus > 1 and step < start + 3:  # the steps every rank measures: each rank's own peak
+                    if cfg.world > 1 and step < start + 3:  # the steps every rank measures: each rank's own peak
                         rec["rank_peak_bytes"] = distributed.gather(peak)
                     if self.rank == 0:
                         with open(self.metrics_path, "a") as f:
@@ -602,7 +602,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
           seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None, keep_checkpoints: int = 2,
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
           console=None, deterministic: bool | None = None, gpus: int = 1,
-          data_parallel: str | None = None, allow=()) -> RunResult:
+          data_parallel: str | None = None, allow=(), tp: int = 1) -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
@@ -636,6 +636,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
             and this process is one of them (runtime/distributed.py). Not planned yet: the micro-batch
             defaults to the rank's share of the global batch.
         data_parallel: the layout across ranks (`Config.data_parallel`); default fsdp.
+        tp: of the `gpus` ranks, how many split each block's matmuls (`Config.tp`); the data-parallel ranks
+            are gpus / tp.
         allow: techniques that change the math the plan may use (`plan`'s `allow`: "8bit-optim").
 
     Returns:
@@ -653,7 +655,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
 
     console = console or Console()
     _check_arguments(steps, global_batch, micro_batch, checkpoint_every, keep_checkpoints, warmup, schedule)
-    layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget)
+    layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp)
     if gpus > 1 and int(os.environ["RANK"]) != 0:
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(out) if out else default_run_dir(workload)
@@ -689,7 +691,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                       keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus, layout=layout,
-                      recovery=recovery, allow=allow)
+                      recovery=recovery, allow=allow, tp=tp)
 
 
 def default_run_dir(workload: Workload) -> Path:
@@ -697,25 +699,28 @@ def default_run_dir(workload: Workload) -> Path:
     return Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget) -> str:
-    """The layout for `gpus` ranks, after checking what a run across ranks needs."""
+def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp=1) -> str:
+    """The layout for `gpus` ranks (`tp` of them splitting each block), after checking what a run across
+    ranks needs."""
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ConfigError(f"gpus must be a whole number >= 1, got {gpus!r}")
-    layout = data_parallel or ("fsdp" if gpus > 1 else "none")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or gpus % tp:
+        raise ConfigError(f"tensor parallel over {tp!r} ranks does not divide {gpus} ranks")
+    layout = data_parallel or ("fsdp" if gpus // tp > 1 else "none")
     if gpus == 1:
         return layout
     if not distributed.launched():
         raise RunError(f"training on {gpus} GPUs needs one process per rank: run `memfit train --gpus {gpus}` "
                        "(it starts them itself) or start this under torchrun")
-    if global_batch % (gpus * (micro_batch or 1)):
-        raise ConfigError(f"global batch {global_batch} does not split into {gpus} ranks x micro-batch "
-                          f"{micro_batch or 1}")
+    if global_batch % (gpus // tp * (micro_batch or 1)):
+        raise ConfigError(f"global batch {global_batch} does not split into {gpus // tp} data-parallel ranks x "
+                          f"micro-batch {micro_batch or 1}")
     return layout
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
            checkpoint_every, keep_checkpoints, progress, console, gpus=1, layout="none", recovery=None,
-           allow=()) -> RunResult:
+           allow=(), tp=1) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
@@ -728,7 +733,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
         return _train_on_ranks(workload, identity, out, state, path, device=device, dev=dev, config=config,
                                micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                                keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus,
-                               layout=layout, budget=budget_bytes, recovery=recovery)
+                               layout=layout, budget=budget_bytes, recovery=recovery, tp=tp)
     if state is not None:  # the run goes on in the configuration it was saved in
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
@@ -783,16 +788,17 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
 
 def _on_one_rank(config: Config, global_batch: int) -> Config:
     """A configuration saved across ranks, continued in one process (the same global batch per step)."""
-    if config.gpus == 1:
+    if config.world == 1:
         return config
-    return config.replace(gpus=1, data_parallel="none", gpus_per_node=None,
+    return config.replace(gpus=1, data_parallel="none", gpus_per_node=None, tp=1,
                           grad_accum=math.ceil(global_batch / config.micro_batch))
 
 
 def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
                     checkpoint_every, keep_checkpoints, progress, console, gpus, layout, budget,
-                    recovery) -> RunResult:
-    """`_train` as one of `gpus` ranks: rank 0 predicts (before the world exists: the estimate traces a fake
+                    recovery, tp=1) -> RunResult:
+    """`_train` as one of `gpus` ranks (gpus / tp data-parallel ones, each `tp` ranks splitting the blocks, which
+    draw the same rows): rank 0 predicts (before the world exists: the estimate traces a fake
     one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder. Under a
     budget, every rank counts its own memory; an OOM on any rank restarts all of them in the next
     configuration (runtime/distributed.py), recorded in the run folder and applied here."""
@@ -804,13 +810,14 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
         recovery = None  # the checkpoint is newer than the OOM: its configuration already is the recovered one
     if recovery is not None:
         saved, micro_batch = Config.from_dict(recovery["config"]), None
-    micro = micro_batch or (saved.micro_batch if saved is not None else global_batch // gpus)
-    if (global_batch // gpus) % micro:
-        micro = global_batch // gpus  # a resume on fewer ranks than the micro-batch was chosen for
-    config = Config(micro_batch=micro, grad_accum=global_batch // gpus // micro,
+    share = global_batch // (gpus // tp)  # a data-parallel rank's rows
+    micro = micro_batch or (saved.micro_batch if saved is not None else share)
+    if share % micro:
+        micro = share  # a resume on fewer ranks than the micro-batch was chosen for
+    config = Config(micro_batch=micro, grad_accum=share // micro,
                     precision=(saved.precision if saved is not None else precision or defaults_for(dev).precision),
                     activation_checkpoint=saved.activation_checkpoint if saved is not None else "none",
-                    gpus=gpus, data_parallel=layout)
+                    gpus=gpus // tp, data_parallel=layout, tp=tp)
     rank0 = int(os.environ["RANK"]) == 0
     start = Prediction(config, None, None, "rank 0 predicts")
     if rank0:  # memory per rank; the step time is not predicted (predict)

@@ -67,7 +67,7 @@ class Trainer:
             raise ConfigError(f"global batch {self.global_batch} does not split evenly over {config.gpus} GPUs")
         torch.manual_seed(seed)
         self.engine = TrainStep(workload, config, device)
-        self.noise = NoiseScale(self.engine) if config.gpus == 1 else None
+        self.noise = NoiseScale(self.engine) if config.world == 1 else None
         self.step_count = 0
 
     def reconfigure(self, config: Config) -> None:

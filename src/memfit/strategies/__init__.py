@@ -1,7 +1,8 @@
 """Memory-saving strategies, each in its own module.
 
-Order: 4-bit base weights replace the frozen Linear layers (QLoRA), precision casts the weights, checkpointing
-wraps the repeated blocks, then data parallelism shards them across ranks (apply_model_strategies);
+Order: tensor parallelism splits the blocks' matmuls (torchtitan applies TP first), 4-bit base weights replace the
+frozen Linear layers (QLoRA), precision casts the weights, checkpointing wraps the repeated blocks, then data
+parallelism shards them across ranks (apply_model_strategies);
 TrainStep then builds the optimizer (with 8-bit moments, paged from the host, when asked), puts optimizer offload (or the optimizer
 step in backward) around the optimizer and activation offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
@@ -20,6 +21,7 @@ from memfit.strategies.optimizer_in_backward import OptimizerInBackward
 from memfit.strategies.paged_optimizer import paged
 from memfit.strategies.precision import (autocast_context, cast_inputs, cast_model, check_precision, make_grad_scaler,
                                          op_policy)
+from memfit.strategies.tensor_parallel import apply_tensor_parallel
 from memfit.torch_internals import keep_tensors_on_unchanged_conversion
 
 __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "apply_model_strategies", "autocast_context",
@@ -28,10 +30,11 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
-    """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. activation checkpointing of
-    repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data parallelism.
-    Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
+    """The fixed order: 0. tensor parallelism, 1. 4-bit base weights, 2. precision of the weights, 3. activation
+    checkpointing of repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data
+    parallelism. Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
+    model = apply_tensor_parallel(model, config, device)
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
