@@ -1,8 +1,10 @@
 """memfit inside other stacks' loops: the predicted peak of Hugging Face `Trainer.train()` and Lightning
 `Trainer.fit()` against the CPU allocator's profiled peak over the whole run (benchmarks/truth_stacks.py),
-per configuration, and the arguments `fit_training_args` returns under budgets, run for real.
+per configuration, the arguments `fit_training_args` returns under budgets, run for real, and Trainer's FSDP2
+on two gloo ranks against memfit's trace of rank 0.
 
-    nice -n 10 python benchmarks/integrations.py [--quick] [--out benchmarks/results/integrations.json]
+    nice -n 10 python benchmarks/integrations.py [--quick] [--only lightning|fsdp]
+        [--out benchmarks/results/integrations.json]
 """
 from __future__ import annotations
 
@@ -97,6 +99,104 @@ def fit_rows(fits, folder) -> list[dict]:
     return rows
 
 
+def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) -> list[int]:
+    """Trainer's own FSDP2 `train()` with the arguments `kw` (and `fsdp=True`) on `world` real CPU ranks (forked,
+    gloo): each rank's lowest peak over its steady steps (the second on), by the CPU allocator's running total
+    inside each step (a callback's `record_function` marks them). Accelerate shards with FSDP only on
+    accelerators and trains CPU processes with DDP, so the distributed type is set to FSDP once Trainer has
+    built its Accelerator (the plugin made from the arguments, its mixed precision set as AcceleratorState
+    sets it); everything after, `accelerator.prepare` and the step, is Trainer's and Accelerate's own code. On
+    CPU ranks Trainer copies each micro-batch to the device 'cpu:0' (the same memory, another device index),
+    which a GPU run does not."""
+    import gc
+    import os
+
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.torch_internals import profiler_allocations
+    from truth import on_gloo_ranks
+
+    def rank_main(rank: int) -> int:
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        args = _args(f"{folder}/rank{rank}", fsdp=True, **kw)
+
+        class OnCpuRanks(transformers.Trainer):
+            def create_accelerator_and_postprocess(self):
+                super().create_accelerator_and_postprocess()
+                state = self.accelerator.state
+                plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                if state.mixed_precision != "no":
+                    plugin.set_mixed_precision(state.mixed_precision)
+                state.distributed_type, state.fsdp_plugin, self.is_fsdp_enabled = DistributedType.FSDP, plugin, True
+
+        class Steps(transformers.TrainerCallback):
+            def on_step_begin(self, *_, **__):
+                self.mark = record_function("memfit.truth.step")
+                self.mark.__enter__()
+
+            def on_step_end(self, *_, **__):
+                self.mark.__exit__(None, None, None)
+
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            torch.manual_seed(0)
+            trainer = OnCpuRanks(model=make_model(), args=args, train_dataset=dataset, callbacks=[Steps()])
+            trainer.train()
+        if type(trainer.model).__name__ != f"FSDP{type(make_model()).__name__}":
+            raise RuntimeError(f"Trainer did not shard the model with FSDP2: {type(trainer.model).__name__}")
+        windows, events = profiler_allocations(prof, "memfit.truth.step")
+        base = events[0][2] - events[0][1]
+        peaks = [max(total - base for t, _, total, _, _ in events if start <= t <= end) for start, end in windows]
+        return min(peaks[1:])
+
+    return on_gloo_ranks(world, rank_main)
+
+
+FSDP_CASES = [dict(per_device_train_batch_size=4),
+              dict(per_device_train_batch_size=4, bf16=True),
+              dict(per_device_train_batch_size=4, bf16=True,
+                   fsdp_config={"version": 2, "reshard_after_forward": False}),
+              dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, bf16=True,
+                   activation_checkpointing=True)]
+RACE_RUNS = 3  # gloo's worker thread may still hold a finished collective's buffers: the lowest of a few runs
+
+
+def fsdp_rows(cases, folder) -> list[dict]:
+    """Trainer's FSDP2 on 2 gloo ranks against memfit's trace of rank 0 (Accelerate's own sharding on a fake
+    world), the Llama above; a rank peak is the lowest over up to RACE_RUNS runs."""
+    from memfit.integrations.transformers import _with_loader, config_of, trainer_workload
+    from memfit.memory.devices import get_device
+
+    config, auto, _ = MODELS["Llama"]
+    cfg = config()
+
+    def make():
+        return auto.from_config(cfg)
+
+    rows = []
+    for kw in cases:
+        kw = {"fsdp_config": {"version": 2}, **kw}
+        args = _args(folder, fsdp=True, **kw)
+        t = time.perf_counter()
+        # Trainer runs DDP on a CPU (estimate_training_args refuses it): the CPU trace of the FSDP2 step itself
+        est = _with_loader(trainer_workload(make(), args, seq_len=SEQ, gpus=2), config_of(args, 2), get_device("cpu"))
+        seconds = time.perf_counter() - t
+        data = TokenRows(cfg.vocab_size, SEQ)
+        peaks = fsdp_rank_peaks(make, kw, data, folder)
+        for _ in range(RACE_RUNS - 1):
+            peaks = [min(a, b) for a, b in zip(peaks, fsdp_rank_peaks(make, kw, data, folder))]
+        rows.append(dict(model="Llama", args=kw, layout=config_of(args, 2).data_parallel, predicted=est.peak_bytes,
+                         rank_peaks=peaks, diff_bytes=est.peak_bytes - peaks[0], phase=est.peak_phase,
+                         estimate_seconds=seconds))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def lightning_rows() -> list[dict]:
     import lightning.pytorch as L
 
@@ -133,7 +233,7 @@ def lightning_rows() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two Trainer cases and one fit")
-    parser.add_argument("--only", choices=("lightning",), help="only these rows, merged into --out's file")
+    parser.add_argument("--only", choices=("lightning", "fsdp"), help="only these rows, merged into --out's file")
     parser.add_argument("--out", default=str(HERE / "results" / "integrations.json"))
     opts = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -141,14 +241,16 @@ def main() -> None:
     torch.manual_seed(0)
     if opts.only:
         result = json.loads(Path(opts.out).read_text())
-        result["lightning"] = lightning_rows()
+        with tempfile.TemporaryDirectory() as folder:
+            result[opts.only] = lightning_rows() if opts.only == "lightning" else fsdp_rows(FSDP_CASES, folder)
         Path(opts.out).write_text(json.dumps(result, indent=1))
         return
     with tempfile.TemporaryDirectory() as folder:
         result = dict(torch=torch.__version__, transformers=transformers.__version__, seq=SEQ,
                       threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d"),
                       trainer=trainer_rows(CASES[:2] if opts.quick else CASES, folder),
-                      fit=fit_rows(FITS[:1] if opts.quick else FITS, folder), lightning=lightning_rows())
+                      fit=fit_rows(FITS[:1] if opts.quick else FITS, folder), lightning=lightning_rows(),
+                      fsdp=fsdp_rows(FSDP_CASES[:1] if opts.quick else FSDP_CASES, folder))
     Path(opts.out).write_text(json.dumps(result, indent=1))
 
 

@@ -16,8 +16,9 @@ from truth_stacks import TokenRows, trainer_peak  # noqa: E402
 from memfit import Config  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.errors import ConfigError, PlanError, WorkloadError  # noqa: E402
-from memfit.integrations.transformers import (emit, estimate_training_args, fit_training_args,  # noqa: E402
-                                              settings)
+from memfit.integrations.transformers import (config_of, emit, estimate_training_args,  # noqa: E402
+                                              fit_training_args, settings)
+from memfit.memory.estimate import Category  # noqa: E402
 from memfit.workloads.hf import load_config  # noqa: E402
 
 SEQ = 64
@@ -235,3 +236,71 @@ def test_what_sft_trainer_runs_unmodelled_is_refused_in_one_line(tmp_path):
         estimate_training_args(make(), _sft(tmp_path), seq_len=SEQ, device="h100")
     with pytest.raises(ConfigError, match="seq_len=128 is longer than the SFTConfig's max_length=64"):
         fit_training_args(make(), _sft(tmp_path), seq_len=2 * SEQ, device="cpu", budget="1GiB")
+
+
+def _fsdp(tmp_path, fsdp_config=None, **kw):
+    """TrainingArguments for Trainer's FSDP2, as a user writes them for a run on several GPUs."""
+    return _args(tmp_path, fsdp=True, fsdp_config={"version": 2, **(fsdp_config or {})}, **kw)
+
+
+def test_fsdp_arguments_are_accelerates_fsdp2_traced_on_rank_0(tmp_path):
+    """fsdp with fsdp_config version 2 over gpus=2, for an H100: the Config carries the ranks and memfit's nearest
+    layout, and rank 0 holds half of every parameter and gradient in fp32 (every dim 0 of this Llama is even, so
+    FSDP2's shards have no padding), the unsharded buffers, and fused AdamW's two moments of its half with a
+    4-byte step per parameter."""
+    make, _ = _maker("llama")
+    model = make()
+    full = sum(p.numel() for p in model.parameters()) * 4
+    buffers = sum(b.nbytes for b in model.buffers())
+    count = len(list(model.parameters()))
+    for reshard, layout in ((True, "fsdp"), (False, "fsdp-no-reshard")):
+        args = _fsdp(tmp_path, {"reshard_after_forward": reshard}, bf16=True, per_device_train_batch_size=4)
+        assert config_of(args, gpus=2) == Config(micro_batch=4, precision="bf16", gpus=2, data_parallel=layout)
+        est = estimate_training_args(model, args, seq_len=SEQ, device="h100", gpus=2)
+        assert est.model_state_bytes == {Category.PARAMETERS: full // 2 + buffers, Category.GRADIENTS: full // 2,
+                                         Category.OPTIMIZER_STATE: full + 4 * count}
+        assert est.device_peak_bytes == est.peak_reserved_bytes + est.nccl_bytes + 500 * 2**20  # H100's context
+        assert any("rank 0 of 2, Trainer's FSDP2 as Accelerate applies it" in n for n in est.notes)
+
+
+def test_fsdp_estimate_is_trainers_own_fsdp2_step_on_two_gloo_ranks(tmp_path):
+    """Trainer's FSDP2 `train()` on two real CPU ranks (gloo; Accelerate's distributed type set to FSDP, which it
+    uses only on accelerators: benchmarks/integrations.py) against memfit's CPU trace of rank 0, bf16 with
+    transformers' checkpointing and accumulation. Each rank peaks at most one micro-batch (the copy CPU ranks
+    make to the device 'cpu:0') plus Trainer's 0-d tensors above the prediction, never below it. gloo may
+    still hold a finished collective's buffers (hundreds of KB): the lowest of up to 3 runs."""
+    from integrations import fsdp_rank_peaks
+
+    from memfit.integrations.transformers import _with_loader, trainer_workload
+    from memfit.memory.devices import get_device
+
+    make, data = _maker("llama")
+    kw = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, bf16=True, activation_checkpointing=True,
+              fsdp_config={"version": 2})
+    args = _args(tmp_path, fsdp=True, **kw)
+    predicted = _with_loader(trainer_workload(make(), args, seq_len=SEQ, gpus=2), config_of(args, 2),
+                             get_device("cpu")).peak_bytes
+    copy = 2 * 2 * SEQ * 8  # the micro-batch's int64 ids and labels
+    peaks = fsdp_rank_peaks(make, kw, data, str(tmp_path))
+    for _ in range(2):
+        if all(0 <= p - predicted <= copy + SCALARS for p in peaks):
+            break
+        peaks = [min(a, b) for a, b in zip(peaks, fsdp_rank_peaks(make, kw, data, str(tmp_path)))]
+    assert all(0 <= p - predicted <= copy + SCALARS for p in peaks), (predicted, peaks)
+
+
+def test_fsdp_that_is_not_modelled_is_one_clear_line(tmp_path):
+    make, _ = _maker("llama")
+    for args, gpus, words in [
+        (_fsdp(tmp_path, {"version": 1}), 2, "use fsdp_config version 2"),
+        (_fsdp(tmp_path, {"cpu_offload": True}), 2, "fsdp_config cpu_offload"),
+        (_fsdp(tmp_path, {"activation_checkpointing": True}), 2, "fsdp_config activation_checkpointing"),
+        (_fsdp(tmp_path, {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}), 2, "auto_wrap_policy"),
+        (_fsdp(tmp_path), None, "fsdp in one process: pass gpus="),
+        (_args(tmp_path), 2, "2 processes or GPUs without FSDP"),
+    ]:
+        with pytest.raises(ConfigError, match=words) as e:
+            fit_training_args(make(), args, seq_len=SEQ, device="h100", budget="20GiB", gpus=gpus)
+        assert "\n" not in str(e.value) and str(e.value).startswith("not modelled by memfit for Trainer"), words
+    with pytest.raises(ConfigError, match=r"fsdp on a CPU \(.*\), where Accelerate trains the processes with DDP"):
+        estimate_training_args(make(), _fsdp(tmp_path), seq_len=SEQ, device="cpu", gpus=2)

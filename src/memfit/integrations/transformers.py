@@ -18,9 +18,11 @@ is refused for SFTConfig.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import types
 import warnings
@@ -31,9 +33,10 @@ from memfit.config import Config
 from memfit.errors import ConfigError, PlanError, WorkloadError
 from memfit.integrations.loops import plan_runnable, rebuilt, target
 from memfit.losses import chunking
-from memfit.memory.devices import get_device
+from memfit.memory.devices import get_device, nccl_bytes
 from memfit.memory.estimate import Category, Estimate, estimate
-from memfit.planner.search import Plan, check_allow
+from memfit.planner.search import Plan, check_allow, resolve_budget
+from memfit.torch_internals import fake_process_group
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, tensors_of
 from memfit.workloads.hf import from_config, load_config, masks_as_in_a_real_run
@@ -79,13 +82,19 @@ def base_workload(model, seq_len: int) -> Workload:
     return dataclasses.replace(described, model=rebuilt(model), name=f"{type(inner).__name__}")
 
 
-def trainer_workload(model, args, *, seq_len: int) -> Workload:
+def trainer_workload(model, args, *, seq_len: int, gpus: int | None = None) -> Workload:
     """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`), or `trl.SFTTrainer` with an
-    `SFTConfig` (its CPU path: module doc), as a memfit Workload; the micro-batch, accumulation and precision
-    are `config_of(args)`. `seq_len`: every row's length (for SFTTrainer, the length its collator pads the
-    micro-batch to, so rows of one length, or truncated to `max_length`, give the exact figure)."""
-    not_modelled(args)
-    return _step(model, args, seq_len, _checkpointing_of(args), mixed=bool(args.bf16 or args.fp16))
+    `SFTConfig` (its CPU path: module doc), as a memfit Workload of one rank; the micro-batch, accumulation and
+    precision it is traced with are `traced(config_of(args, gpus=gpus))`. `seq_len`: every row's length (for
+    SFTTrainer, the length its collator pads the micro-batch to, so rows of one length, or truncated to
+    `max_length`, give the exact figure). Under FSDP (`args.fsdp`) it is rank 0's step and must be traced in a
+    process group of `gpus` ranks (`estimate_training_args` makes a fake one)."""
+    not_modelled(args, gpus)
+    return _step(model, args, seq_len, _checkpointing_of(args), _precision_of(args), _sharding(args, gpus))
+
+
+def _precision_of(args) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 def _checkpointing_of(args) -> tuple[bool, dict | None]:
@@ -93,8 +102,9 @@ def _checkpointing_of(args) -> tuple[bool, dict | None]:
     return bool(getattr(args, name)), getattr(args, f"{name}_kwargs")
 
 
-def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mixed: bool) -> Workload:
-    """`trainer_workload` with transformers' activation checkpointing (on, its keywords) and mixed precision
+def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], precision: str,
+          sharding: "Sharding | None" = None) -> Workload:
+    """`trainer_workload` with transformers' activation checkpointing (on, its keywords) and the precision
     given apart from `args`: the planner's candidates are estimated without a TrainingArguments made for each
     (building one resets Accelerate's process-wide state, a live Trainer's included)."""
     transformers = _transformers()
@@ -102,6 +112,10 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mi
     base = base_workload(model, _sft_rows(args, seq_len) if sft else seq_len)
     if sft:
         _refuse_moe(model)
+    if sharding is not None and hasattr(model, "get_base_model"):
+        raise ConfigError("not modelled by memfit for Trainer: fsdp with a PEFT model (Accelerate then changes "
+                          "its wrapping policy for the adapters); no estimate is made for it")
+    mixed = precision != "fp32" and sharding is None  # under FSDP2 Accelerate adds no autocast (Sharding)
     built = []
 
     def build() -> torch.nn.Module:
@@ -118,6 +132,8 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], mi
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
         if sft:
             _add_fused_lm_head(m)
+        if sharding is not None:
+            m = sharding.apply(m, precision)
         if mixed:  # Accelerate's mixed precision returns the outputs in fp32 (of the forward SFTTrainer patched)
             from accelerate.utils import convert_outputs_to_fp32
 
@@ -227,9 +243,107 @@ def _shifts_labels(m: torch.nn.Module) -> bool:
             and not getattr(getattr(inner, "config", None), "is_encoder_decoder", False))
 
 
-def not_modelled(args) -> None:
-    """One clear line for what `Trainer` (or `SFTTrainer`, for an SFTConfig) would do with `args` that memfit
-    does not model: a number for it would be silently wrong."""
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """Trainer's FSDP2 (`args.fsdp` with `fsdp_config` version 2) over `world` ranks, applied by Accelerate's own
+    code (`fsdp2_prepare_model`), as `Trainer` has it applied, so the traced units are Accelerate's.
+
+    Those are not memfit's `fsdp` layout (strategies/data_parallel.py): every transformer layer
+    (`transformer_layer_cls_to_wrap`, else the model's `_no_split_modules`) is a unit resharded after its
+    forward as `reshard_after_forward` says, the last one too; the input embedding is a unit of its own (with
+    the output head where they are tied); the final norm and the output head are one unit kept gathered from
+    forward to backward; the root takes the rest. bf16 is `MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16)` with fp32 master weights (Accelerate upcasts them) and no autocast (Accelerate wraps
+    the forward in autocast only outside FSDP2). A Config that describes it (`config_of`) has memfit's
+    nearest layout, `fsdp` or `fsdp-no-reshard`, and is estimated only through this module.
+    """
+
+    world: int
+    plugin: dict  # FullyShardedDataParallelPlugin's keywords, from TrainingArguments.fsdp_plugin_args
+
+    @property
+    def layout(self) -> str:
+        return "fsdp" if self.plugin.get("reshard_after_forward", True) else "fsdp-no-reshard"
+
+    def built_plugin(self):
+        """Accelerate's plugin for these arguments; the environment it reads and writes (FSDP_* variables) is
+        left as it was. Made afresh for each model: `set_auto_wrap_policy` binds it to one."""
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        saved = dict(os.environ)
+        try:
+            return FullyShardedDataParallelPlugin(**self.plugin)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def apply(self, m: torch.nn.Module, precision: str) -> torch.nn.Module:
+        """`m` sharded as `Accelerator.prepare` shards it for Trainer (`fsdp2_prepare_model`), on rank 0's 1-D
+        mesh over the current process group. `cpu_ram_efficient_loading` changes how the weights arrive (rank 0 loads,
+        then broadcasts), not the step's tensors: the trace builds every rank's model as the others do."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        from memfit.strategies.data_parallel import device_mesh
+
+        plugin = self.built_plugin()
+        plugin.cpu_ram_efficient_loading = False
+        if precision != "fp32":  # what AcceleratorState does with the arguments' mixed precision
+            plugin.set_mixed_precision(precision)
+        device = torch.get_default_device()
+        mesh = device_mesh(Config(gpus=self.world, data_parallel="fsdp"), device)
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh={("shard",): mesh},
+            parallelism_config=types.SimpleNamespace(fsdp_dim_names=("shard",)), is_main_process=True,
+            mixed_precision="no" if precision == "fp32" else precision, device=device)
+        plugin.set_auto_wrap_policy(m)
+        return fsdp2_prepare_model(accelerator, m)
+
+
+def _sharding(args, gpus: int | None) -> Sharding | None:
+    """The FSDP2 Trainer runs with `args` (None without `args.fsdp`); `not_modelled` has refused the rest."""
+    if not args.fsdp:
+        return None
+    return Sharding(world=gpus or args.world_size, plugin=dict(args.fsdp_plugin_args))
+
+
+def _fsdp_not_modelled(args, gpus: int | None) -> str | None:
+    """Why Trainer's FSDP with `args` on `gpus` ranks is not modelled (None: it is)."""
+    config = args.fsdp_config or {}
+    if int(config.get("version", 2)) != 2:
+        return ("fsdp_config version 1 (FSDP1's flat parameters and its wrapping are not memfit's layouts): use "
+                "fsdp_config version 2")
+    world = gpus or args.world_size
+    if gpus is not None and args.world_size > 1 and gpus != args.world_size:
+        return f"gpus={gpus} while this run has {args.world_size} processes"
+    if world < 2:
+        return ("fsdp in one process: pass gpus=, the number of ranks it will run on (memfit traces rank 0 of "
+                "them)")
+    if args.fp16:
+        return "fsdp with fp16 (FSDP2's sharded gradient scaler): use bf16"
+    if _is_sft(args):
+        return "fsdp with an SFTConfig (TRL's fused LM head under FSDP2 is not checked)"
+    if getattr(args, "parallelism_config", None) is not None:
+        return "parallelism_config (Accelerate's device mesh beyond FSDP over every rank)"
+    plugin_args = args.fsdp_plugin_args
+    if plugin_args.get("auto_wrap_policy") != "TRANSFORMER_BASED_WRAP":
+        return (f"fsdp_config auto_wrap_policy={plugin_args.get('auto_wrap_policy')!r} (modelled: "
+                "TRANSFORMER_BASED_WRAP, each transformer layer a unit)")
+    plugin = Sharding(world, dict(plugin_args)).built_plugin()  # with what FSDP_* variables add
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if plugin.activation_checkpointing:
+        return ("fsdp_config activation_checkpointing (Accelerate's checkpoint_wrapper around each unit: memfit's "
+                "trace of it was 3% above real ranks): use activation_checkpointing=True, transformers' own")
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        return "fsdp_config cpu_offload / fsdp 'offload' (FSDP2's CPUOffloadPolicy keeps the shards in host memory)"
+    if plugin.ignored_modules is not None:
+        return "ignored_modules (parameters left out of FSDP)"
+    return None
+
+
+def not_modelled(args, gpus: int | None = None) -> None:
+    """One clear line for what `Trainer` (or `SFTTrainer`, for an SFTConfig) would do with `args` on `gpus`
+    ranks (None: `args.world_size`) that memfit does not model: a number for it would be silently wrong."""
     why, sft = None, _is_sft(args)
     if sft and (args.padding_free or args.packing):
         why = ("padding_free / packing (SFTTrainer then concatenates the rows into one sequence without padding, "
@@ -254,40 +368,62 @@ def not_modelled(args) -> None:
     elif (getattr(args, f"{_checkpointing_name()}_kwargs") or {}).get("offload"):
         why = "activation checkpointing with offload (saved activations in pinned host memory)"
     elif args.fsdp:
-        why = "fsdp (Trainer's FSDP is not yet mapped onto memfit's FSDP2 layouts)"
-    elif args.world_size > 1 or args.n_gpu > 1:
-        why = (f"{max(args.world_size, args.n_gpu)} processes or GPUs without FSDP: Accelerate's DDP keeps its "
-               "buckets apart from the gradients (gradient_as_bucket_view=False), which memfit's ddp layout does not")
+        why = _fsdp_not_modelled(args, gpus)
+    elif max(args.world_size, args.n_gpu, gpus or 1) > 1:
+        why = (f"{max(args.world_size, args.n_gpu, gpus or 1)} processes or GPUs without FSDP: Accelerate's DDP "
+               "keeps its buckets apart from the gradients (gradient_as_bucket_view=False), which memfit's ddp "
+               "layout does not")
     if why:
         raise ConfigError(f"not modelled by memfit for {'SFTTrainer' if sft else 'Trainer'}: {why}; no estimate is "
                           "made for it")
 
 
 def _check_target(args, dev) -> None:
-    """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces."""
+    """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces. Trainer's
+    fsdp on a CPU is refused: Accelerate shards with FSDP only on accelerators, and CPU processes train with
+    its DDP (MULTI_CPU) instead."""
+    if args.fsdp and dev.kind != "cuda":
+        raise ConfigError(f"not modelled by memfit for Trainer: fsdp on a CPU ({dev.name}), where Accelerate trains "
+                          "the processes with DDP instead (FSDP only on accelerators); no estimate is made for it")
     if _is_sft(args) and dev.kind == "cuda":
         raise ConfigError(f"not modelled by memfit for SFTTrainer: a GPU ({dev.name}), where TRL's fused LM head "
                           "runs Triton kernels on the labelled positions only (memfit traces its torch path, the "
                           "CPU's); no estimate is made for it")
 
 
-def config_of(args) -> Config:
-    """memfit's Config for the step `args` describe: transformers' checkpointing lives in the model
-    (`trainer_workload`), so the Config has none of its own."""
-    return Config(micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                  precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32")
+def config_of(args, gpus: int | None = None) -> Config:
+    """memfit's Config for the step `args` describe on `gpus` ranks (None: `args.world_size`):
+    transformers' checkpointing lives in the model (`trainer_workload`), so the Config has none of its own.
+    Under FSDP it carries the ranks and memfit's nearest layout (`Sharding`); `traced` is what is estimated."""
+    config = Config(micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+                    precision=_precision_of(args))
+    sharding = _sharding(args, gpus)
+    return config if sharding is None else config.replace(gpus=sharding.world, data_parallel=sharding.layout)
 
 
-def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu") -> Estimate:
-    """The peak of `Trainer(model, args).train()`'s steps on `device`: memfit's estimate of
-    `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc)."""
-    wl = trainer_workload(model, args, seq_len=seq_len)
-    _check_target(args, get_device(device))
-    return _with_loader(wl, config_of(args), device)
+def traced(config: Config) -> Config:
+    """The one-rank Config a Trainer step is traced with: under FSDP, Accelerate's sharding and mixed-precision
+    policy are in the workload (`Sharding`), and memfit adds neither its own layout nor autocast."""
+    return config if config.gpus == 1 else config.replace(gpus=1, data_parallel="none", precision="fp32")
 
 
-def _with_loader(wl: Workload, config: Config, device) -> Estimate:
-    est = estimate(wl, config, device)
+def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu", gpus: int | None = None) -> Estimate:
+    """The peak of `Trainer(model, args).train()`'s steps on `device`, per rank: memfit's estimate of
+    `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc).
+    `gpus`: the ranks an FSDP run will have, where this process is not one of them (default
+    `args.world_size`); the estimate is made in a fake process group, so call it before any real one."""
+    wl = trainer_workload(model, args, seq_len=seq_len, gpus=gpus)
+    dev = get_device(device)
+    _check_target(args, dev)
+    config = config_of(args, gpus)
+    return _with_nccl(_with_loader(wl, config, dev), config, dev)
+
+
+def _with_loader(wl: Workload, config: Config, dev) -> Estimate:
+    """`config`'s step (`traced`, under FSDP on rank 0 of a fake world of its ranks) and the dataloader's."""
+    run = traced(config)
+    with _rank_world(config.gpus):
+        est = estimate(wl, run, dev)
     with torch.device("meta"):
         micro = sum(t.numel() * t.element_size() for t in tensors_of(wl.batch(config.micro_batch)))
     if est.device_peak_bytes is None:  # on a CPU memfit's step holds the global batch already
@@ -303,7 +439,24 @@ def _with_loader(wl: Workload, config: Config, device) -> Estimate:
     breakdown = dict(est.breakdown)
     breakdown[Category.INPUTS] = breakdown.get(Category.INPUTS, 0) + extra
     notes = [*est.notes, f"Trainer's dataloader: {fmt_bytes(extra)} more inputs, {why}"]
+    if config.gpus > 1:
+        notes.append(f"per rank: rank 0 of {config.gpus}, Trainer's FSDP2 as Accelerate applies it (a unit per "
+                     "transformer layer, the input embedding, [final norm, output head] kept gathered, the root), "
+                     "traced with a fake process group")
     return dataclasses.replace(est, breakdown=breakdown, notes=notes, **fields)
+
+
+def _nccl(config: Config, dev) -> int:
+    """NCCL's communicators on each of an FSDP run's GPUs, outside PyTorch's allocator (memfit's catalogue)."""
+    return (nccl_bytes(dev, config.gpus, config.data_parallel, None) or 0) if dev.kind == "cuda" and config.gpus > 1 \
+        else 0
+
+
+def _with_nccl(est: Estimate, config: Config, dev) -> Estimate:
+    nccl = _nccl(config, dev)
+    if not nccl:
+        return est
+    return dataclasses.replace(est, device_peak_bytes=est.device_peak_bytes + nccl, nccl_bytes=nccl)
 
 
 def runs(config: Config) -> str | None:
@@ -344,13 +497,15 @@ def _checkpointing_name() -> str:
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
-def fit_training_args(model, args, *, seq_len: int, device: str | None = None, budget=None, allow=()):
+def fit_training_args(model, args, *, seq_len: int, device: str | None = None, budget=None, allow=(),
+                      gpus: int | None = None):
     """`args` with the micro-batch, accumulation and activation checkpointing that fit `budget` on `device`
     fastest, the global batch (per device x accumulation x processes) kept exactly; precision changes only to
     a precision named in `allow` ("bf16", "fp16"). Returns (a copy of args, the Plan); the plan's peak is
-    `estimate_training_args` of the copy. `device`: a catalogue name, else the current CUDA device with its
-    free memory as the budget. Call it before building the Trainer: a new TrainingArguments resets
-    Accelerate's process-wide state (`MemfitCallback` plans inside a built Trainer).
+    `estimate_training_args` of the copy, per rank. `device`: a catalogue name, else the current CUDA device
+    with its free memory as the budget. `gpus`: the ranks of an FSDP run planned from outside it (default
+    `args.world_size`). Call it before building the Trainer: a new TrainingArguments resets Accelerate's
+    process-wide state (`MemfitCallback` plans inside a built Trainer).
 
     Example::
 
@@ -358,44 +513,84 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
                                        seq_len=2048, device="h100", budget="70GiB", allow=("bf16",))
         Trainer(model=model, args=args, train_dataset=data).train()
     """
-    best = _fit(model, args, seq_len, device, budget, allow)
+    best = _fit(model, args, seq_len, device, budget, allow, gpus)
     with warnings.catch_warnings():  # the deprecated alias is mirrored by TrainingArguments itself
         warnings.simplefilter("ignore", FutureWarning)
         return dataclasses.replace(args, auto_find_batch_size=False, **settings(best.config)), best
 
 
-def _fit(model, args, seq_len: int, device, budget, allow) -> Plan:
+def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = None) -> Plan:
     allowed = frozenset([allow] if isinstance(allow, str) else allow)
     planner_allow = check_allow(allowed - set(PRECISIONS))
     if planner_allow:
         raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow))} for Trainer yet: the arguments it "
                           "maps to are not modelled (8-bit and paged optimizers keep Embedding states in 32 bits "
                           "under Trainer; adapters are the model's, not the arguments')")
-    not_modelled(args)
+    not_modelled(args, gpus)
     dev, limit = target(device, budget)
     _check_target(args, dev)
-    user = config_of(args)
-    searched = _step(model, args, seq_len, (False, None), mixed=user.precision != "fp32")
+    user, sharding = config_of(args, gpus), _sharding(args, gpus)
+    if sharding is not None and "fp16" in allowed:
+        raise ConfigError("cannot allow fp16 for Trainer's fsdp: FSDP2's sharded gradient scaler is not modelled")
+    name = _checkpointing_name()
 
-    def confirm(config: Config) -> Estimate:
-        kw = settings(config)
-        name = _checkpointing_name()
-        wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), mixed=config.precision != "fp32")
-        return _with_loader(wl, config.replace(activation_checkpoint="none"), dev)
+    def as_run(config: Config, precision: str) -> Config:
+        """A traced candidate as the Config of the run it stands for."""
+        return config if sharding is None else config.replace(precision=precision, gpus=sharding.world,
+                                                               data_parallel=sharding.layout)
 
+    def confirm_as(precision: str):
+        def confirm(config: Config) -> Estimate:
+            kw = settings(config.replace(precision=precision))
+            wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding)
+            return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision), dev)
+        return confirm
+
+    nccl = _nccl(user, dev)  # outside the traced step: the planner gets the budget without it, then it is added
+    if nccl:
+        limit = resolve_budget(limit, dev) - nccl
+        if limit <= 0:
+            raise PlanError(f"nothing fits in {fmt_bytes(limit + nccl)} on {dev.name}: NCCL's communicators alone "
+                            f"take {fmt_bytes(nccl)} of each GPU of {user.gpus}")
     plans, errors = [], []
     for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed))]):
+        searched = _step(model, args, seq_len, (False, None), precision, sharding)
         try:
-            plans.append(plan_runnable(searched if precision == user.precision else
-                                       _step(model, args, seq_len, (False, None), mixed=precision != "fp32"),
-                                       user.global_batch, runs, stack="Trainer", confirm=confirm, budget=limit,
-                                       device=dev, precision=precision, offload_activations=False,
-                                       offload_optimizer=False))
+            with _rank_world(user.gpus):  # the planner traces rank 0 of the run's ranks, the precision in the workload
+                found = plan_runnable(searched, user.rank_batch, runs, stack="Trainer", confirm=confirm_as(precision),
+                                      budget=limit, device=dev, precision=precision if sharding is None else "fp32",
+                                      offload_activations=False, offload_optimizer=False)
         except PlanError as e:
             errors.append(e)
+            continue
+        plans.append(dataclasses.replace(
+            found, config=as_run(found.config, precision),
+            alternatives=[dataclasses.replace(c, config=as_run(c.config, precision), peak_bytes=c.peak_bytes + nccl)
+                          for c in found.alternatives],
+            estimate=found.estimate and _with_nccl(found.estimate, as_run(found.config, precision), dev),
+            budget_bytes=found.budget_bytes + nccl, usable_bytes=found.usable_bytes + nccl,
+            peak_bytes=found.peak_bytes + nccl))
     if not plans:
         raise errors[0]
     return min(plans, key=lambda p: p.step_seconds)
+
+
+_WORLD: list[int] = []  # the fake world this module has made and is inside, if any
+
+
+@contextlib.contextmanager
+def _rank_world(n: int):
+    """A fake world of `n` ranks in which this process is rank 0 (memfit's own, for traces across ranks); inside
+    one of this module's already (the planner's, then its confirmations), that one."""
+    if n == 1 or _WORLD == [n]:
+        yield
+        return
+    with fake_process_group(n):
+        _WORLD.append(n)
+        try:
+            yield
+        finally:
+            _WORLD.pop()
 
 
 def emit(config: Config, style: str) -> str:
