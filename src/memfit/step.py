@@ -18,6 +18,7 @@ from memfit.strategies import (ActivationOffload, OptimizerInBackward, Optimizer
                                cast_inputs, check_precision, data_parallel_buffers, eight_bit, host_side,
                                make_grad_scaler, op_policy, paged)
 from memfit.strategies.cuda_kernels import kernels as cuda_kernels
+from memfit.strategies.pipeline_parallel import Pipeline
 from memfit.torch_internals import grad_scaler_tensors
 from memfit.workload import Batch, Workload, batch_size, move_batch, split_batch
 
@@ -44,6 +45,9 @@ class TrainStep:
         if not isinstance(model, torch.nn.Module):
             raise WorkloadError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
         self.model = apply_model_strategies(model, config, self.device)
+        # a pipeline stage keeps its part of the model in place (strategies/pipeline_parallel.py)
+        self.pipeline = (Pipeline(self.model, workload.loss, config, self.device, torch.distributed.get_rank())
+                         if config.pp > 1 else None)
         self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
         self.optimizer_offload = None
         make_optimizer = (workload.optimizer if not config.optimizer_8bit else
@@ -79,7 +83,9 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         # backward too: checkpointing recomputes the forward (under autocast)
         with op_policy(cfg, self.cuda_target), cuda_kernels(self.cuda_target):
-            for micro in split_batch(batch, cfg.micro_batch):
+            if self.pipeline is not None:
+                loss_sum = self._pipeline_step(batch)
+            for micro in split_batch(batch, cfg.micro_batch) if self.pipeline is None else ():
                 micro = cast_inputs(self.move(micro, self.device), cfg)
                 weight = batch_size(micro) / total  # mean over the global batch, uneven last chunk included
                 self._enter("forward")
@@ -106,7 +112,19 @@ class TrainStep:
         if self.config.gpus > 1 and not self.tracing:  # the global batch's mean: every rank holds an equal share
             torch.distributed.all_reduce(loss_sum)  # (gloo has no AVG)
             loss_sum /= self.config.gpus
+        if self.pipeline is not None and not self.tracing:  # the last stage's loss, for every rank to report
+            torch.distributed.broadcast(loss_sum, src=self.config.pp - 1)
         return loss_sum
+
+    def _pipeline_step(self, batch: Batch) -> torch.Tensor:
+        """Every micro-batch's forward and backward under the pipeline's schedule, the batch moved to the
+        device whole (every stage reads its micro-batches' labels or inputs from it)."""
+        stage = self.pipeline.module
+        stage.on_forward, stage.on_backward = (lambda: self._enter("forward")), (lambda: self._enter("backward"))
+        batch = cast_inputs(self.move(batch, self.device), self.config)
+        self._enter("forward")
+        with autocast_context(self.config, self.device, self.cuda_target):
+            return self.pipeline.step(batch, self.config.micro_batch)
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
@@ -204,6 +222,8 @@ class TrainStep:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # a replicated DTensor: the plain tensor every rank holds
             norm = norm.full_tensor()
+        if self.pipeline is not None:  # each stage holds its own blocks' gradients
+            norm = self.pipeline.total_norm(norm)
         torch.nn.utils.clip_grads_with_norm_(params, self.workload.max_grad_norm, norm)
         self.grad_norm = norm
 

@@ -171,6 +171,53 @@ def fake_process_group(world_size: int, rank: int = 0):
         _clear_sharding_prop_cache()
 
 
+def static_pipeline_metadata(schedule) -> None:
+    """Skip a pipeline schedule's start-up vote on whether every stage was given its inputs' and outputs'
+    shapes: in a fake world nothing is received, so the vote reads zeros (and `.item()` of a fake tensor),
+    and the engine would ask its neighbours for the shapes. memfit gives every stage its shapes, which is
+    what the vote finds on a real world."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def warm_up(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warm_up
+
+
+class _HeldWork:
+    """Works that keep their tensors alive until dropped, as gloo's and NCCL's do."""
+
+    def __init__(self, works: list, tensors: list):
+        self.works, self.tensors = works, tensors
+
+    def wait(self, *args, **kwargs):
+        for w in self.works:
+            w.wait(*args, **kwargs)
+        return True
+
+
+@contextlib.contextmanager
+def p2p_works_hold_tensors():
+    """A fake world's point-to-point works are done at once and hold nothing; a real backend's hold their
+    tensors until the work object is dropped, and torch's 1F1B schedule keeps the works of its last
+    warm-up send through the whole steady phase (one micro-batch's activations past its backward, measured
+    on gloo ranks). Inside this, the pipeline schedules' sends and receives hold their tensors so."""
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def holding(ops, desc=None):
+        works = batch(ops, desc)
+        return [_HeldWork(works, [op.tensor for op in ops])] if works else works
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
 def replicate(module: torch.nn.Module, **ddp_options) -> torch.nn.Module:
     """DistributedDataParallel applied to `module` in place (torch's composable `replicate`, DDP's own
     reducer run from forward hooks): the module keeps its class, parameter names and attributes, so a

@@ -85,6 +85,7 @@ class Estimate:
     routing: dict | None = None  # MoE: the routing assumption and the bound (memory/routing.py)
     # activations by the block that made them ({group: [...]}, at the timeline's points; module_group())
     module_timeline: dict = dataclasses.field(default_factory=dict)
+    stages: list | None = None  # a pipeline: each stage's peak, parameters and breakdown (the figures: the highest)
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -165,7 +166,7 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
         reason = first_line(fake_error)
         partial = getattr(fake_error, "memfit_partial", None)
         own = getattr(fake_error, "memfit_workload_raised", False)
-    if config.gpus > 1 and not own:
+    if config.world > 1 and not own:
         raise EstimateError(f"{workload.name}: fake tensors could not follow the per-rank step ({reason}); across "
                             "ranks memfit traces on fake tensors only")
     try:
@@ -219,7 +220,7 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
     """`state_split`'s two figures and the gradients' share of the first: what the same family keeps with the
     optimizer step in backward, which holds no gradient buffer, is the first less the third."""
     dev = device if isinstance(device, Device) else get_device(device)
-    world = fake_process_group(config.gpus) if config.gpus > 1 else contextlib.nullcontext()
+    world = fake_process_group(config.world) if config.world > 1 else contextlib.nullcontext()
     with world, new_fake_mode() as mode, quiet_fake_errors():
         with FakeBuild(mode):
             step = TrainStep(workload, config, "cpu")
@@ -298,13 +299,41 @@ def _trace(workload: Workload, config: Config, dev: Device, fake: bool) -> Probe
 
 def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int],
             routing_bound: bool = False) -> list[Probe]:
-    """Per rank: across many GPUs, this process traces rank 0 of a fake world of config.gpus ranks."""
-    if config.gpus == 1:
+    """Per rank: across many GPUs, this process traces rank 0 of a fake world of config.world ranks (every
+    tensor-parallel rank holds and does the same amount)."""
+    if config.world == 1:
         return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
     if not fake:
         raise EstimateError(f"{workload.name}: a step across ranks is traced on fake tensors only")
-    with fake_process_group(config.gpus):
+    if config.pp > 1:
+        return _stage_traces(workload, config, dev, sizes, routing_bound)
+    with fake_process_group(config.world):
         return _rank_traces(workload, config, dev, fake, sizes, routing_bound)
+
+
+def _stage_traces(workload: Workload, config: Config, dev: Device, sizes: list[int],
+                  routing_bound: bool) -> list[Probe]:
+    """A pipeline's stages hold different parts and different numbers of micro-batches in flight: each is
+    traced as its own rank of a fake world, and the stage with the highest peak is the estimate (the one a
+    budget must hold), every stage's figures in `stages`."""
+    by_stage = []
+    for stage in range(config.pp):
+        with fake_process_group(config.world, rank=stage):
+            by_stage.append(_rank_traces(workload, config, dev, True, sizes, routing_bound))
+    out = []
+    for probes in zip(*by_stage):
+        worst = max(probes, key=_peak_of)
+        worst.estimate.stages = [_stage_figures(s, p.estimate) for s, p in enumerate(probes)]
+        worst.estimate.notes.append(f"pipeline of {config.pp} stages ({config.pp_schedule}): the figures are stage "
+                                    f"{probes.index(worst)}'s, the highest peak; every stage's in `stages`")
+        out.append(worst)
+    return out
+
+
+def _stage_figures(stage: int, e: "Estimate") -> dict:
+    return {"stage": stage, "peak_bytes": e.peak_bytes, "device_peak_bytes": e.device_peak_bytes,
+            "peak_reserved_bytes": e.peak_reserved_bytes, "parameters": e.parameters, "peak_phase": e.peak_phase,
+            "breakdown": dict(e.breakdown)}
 
 
 def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: list[int],
@@ -354,6 +383,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             if i == len(sizes) - 1:
                 built.clear()
             p = _measure(workload, step, dev, mode, draw(size), list(notes))
+            if i == 0 and step.pipeline is not None:  # the first step made the engine's buffers
+                p = _measure(workload, step, dev, mode, draw(size), list(notes))
             if i == 0 and step.ungraded:  # traced again in the steady state a real run reaches
                 notes.append(_drop_ungraded_state(step))
                 p = _measure(workload, step, dev, mode, draw(size), list(notes))
@@ -397,6 +428,12 @@ def _step_notes(workload: Workload, step: TrainStep, config: Config, cuda_target
                          "next)")
             notes.append(f"each rank runs {rank_threads()} intra-op thread(s) (OMP_NUM_THREADS, as `memfit train "
                          "--gpus` starts them): kernel workspaces measured at that count")
+    if config.tp > 1:
+        notes.append(f"per rank: rank 0 of {config.world}, tensor parallel over {config.tp} (DTensor: q/k/v and MLP "
+                     "gate/up split by output, attention and MLP outputs by input and reduce-scattered; norms "
+                     "sequence-parallel; whole logits on every rank), traced with a fake process group")
+        notes.append("not counted: " + ("NCCL's communicator for the tensor-parallel group" if cuda_target else
+                                        "what gloo allocates on its own threads while a collective runs"))
     if cuda_target:
         notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                      "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
@@ -484,7 +521,7 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     cuda_target = dev.kind == "cuda"
     move = step.move
     # what kernels hold while they run; a CPU rank runs with its launch's thread count
-    workspaces = CudnnWorkspaces() if cuda_target else CpuWorkspaces(rank_threads() if step.config.gpus > 1 else None)
+    workspaces = CudnnWorkspaces() if cuda_target else CpuWorkspaces(rank_threads() if step.config.world > 1 else None)
     tracker = LiveBytes("cpu", host_apart=cuda_target, workspace=workspaces)
     recorder = OpRecorder()
     if cuda_target:  # the global batch stays in host memory; only micro-batch copies reach the GPU

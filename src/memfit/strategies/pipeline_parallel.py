@@ -1,0 +1,271 @@
+"""Pipeline parallelism: the repeated blocks split over `Config.pp` ranks, each micro-batch's activations
+sent from stage to stage, on torch.distributed.pipelining's own schedules (`ScheduleGPipe`, `Schedule1F1B`).
+
+A stage is the workload's own model and loss with the parts other stages own taken out, so any model whose
+forward runs its repeated blocks in order splits without being rewritten:
+
+- blocks another stage runs are replaced by a pass-through that holds nothing;
+- a stage after the first gets its input at its first block: a forward pre-hook there swaps the hidden
+  state for the one received; the embeddings before the blocks, which it does not own, return a zero-stride
+  stand-in of the right shape (no bytes) that the swap discards;
+- a stage before the last ends at its last block: a forward hook there hands the block's output to the
+  engine (which sends it on), and the modules after the blocks (final norm, head) are taken out;
+- the last stage runs the workload's loss to the end: its output is the micro-batch's loss, weighted by its
+  share of the step's batch as memfit's single-process step weights it.
+
+Every stage is fed the step's micro-batches too (the engine passes keyword arguments to every stage), so the
+loss sees its labels, and a stage's rotary tables and masks are computed where they are used, as on one GPU.
+Weights shared between an embedding and the head (tied) would need their gradients summed across stages: refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+import torch.distributed as dist
+
+from memfit.config import Config
+from memfit.errors import ConfigError
+from memfit.strategies.activation_checkpoint import find_blocks
+from memfit.torch_internals import p2p_works_hold_tensors, static_pipeline_metadata
+
+__all__ = ["Pipeline", "stage_blocks"]
+
+
+def stage_blocks(blocks: int, stages: int) -> list[range]:
+    """The blocks of each stage: an even split, the first `blocks % stages` stages taking one more."""
+    if blocks < stages:
+        raise ConfigError(f"{stages} pipeline stages need at least {stages} repeated blocks; the model has {blocks}")
+    size, extra = divmod(blocks, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = size + (s < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+class _Handoff(Exception):
+    """Raised by the hook after a stage's last block: ends the stage's forward with the block's output."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class _Skipped(torch.nn.Module):
+    """A block another stage runs: returns its input hidden state (the stage's pre-hook replaces it)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs["hidden_states"]
+
+
+class _Elsewhere(torch.nn.Module):
+    """A module after the blocks on a stage before the last: the handoff ends the forward before it."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"pipeline stage: {self.name} belongs to the last stage but ran on an earlier one")
+
+
+class _EmbeddingStandIn(torch.nn.Module):
+    """An embedding a later stage does not own: the right shape and dtype, stride 0, holding no bytes."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args, **kwargs):
+        return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.dim)
+
+
+class _Stage(torch.nn.Module):
+    """One stage's forward: the workload's loss on the stage's part of the model."""
+
+    def __init__(self, model: torch.nn.Module, loss, first: bool, last: bool, weight: float):
+        super().__init__()
+        self.model = model
+        self.loss, self.first, self.last, self.weight = loss, first, last, weight
+        self.received: torch.Tensor | None = None
+        self.on_forward = self.on_backward = lambda: None
+
+    def forward(self, *received: torch.Tensor, batch):
+        self.on_forward()
+        self.received = received[0] if received else None
+        try:
+            # shape (1,): the engine concatenates the last stage's outputs
+            out = (self.loss(self.model, batch).float() * self.weight).reshape(1)
+        except _Handoff as handoff:
+            out = handoff.hidden
+        finally:
+            self.received = None
+        if out.requires_grad:
+            out.register_hook(self._backward_starts)
+        return out
+
+    def _backward_starts(self, grad):
+        self.on_backward()
+
+
+class Pipeline:
+    """This rank's stage of a `config.pp`-stage pipeline of `model`, and the schedule that runs it.
+
+    `model` is the whole model, built identically on every rank (same seed), with memfit's other strategies
+    applied; the stage keeps its part in place. `module` is what the optimizer and the step see."""
+
+    def __init__(self, model: torch.nn.Module, loss, config: Config, device: torch.device, stage: int):
+        self.config, self.device, self.stage = config, device, stage
+        self.first, self.last = stage == 0, stage == config.pp - 1
+        self.names = find_blocks(model)
+        if not self.names:
+            raise ConfigError("pipeline parallelism splits the repeated blocks: found none in this model")
+        self.blocks = stage_blocks(len(self.names), config.pp)[stage]
+        self._refuse_tied(model)
+        self.module = _Stage(model, loss, self.first, self.last, 1 / config.grad_accum)
+        self._cut(model)
+        # the parts taken out can sit in reference cycles (a module and its own methods): freed now, as a real
+        # rank must free them, rather than whenever the collector runs (a trace counts every live tensor)
+        gc.collect()
+        self.engine = None
+        self.schedule = None
+
+    # ---------------------------------------------------------------------------------------- the split
+
+    def _parts(self, model: torch.nn.Module) -> tuple[list[str], list[str]]:
+        """Names of the modules holding parameters before the blocks and after them (registration order, as
+        the forward runs them in every model memfit knows; a wrong guess fails loudly in `_Elsewhere`)."""
+        container = self.names[0].rpartition(".")[0]
+        names = [n for n, _ in model.named_modules()]
+        where = names.index(container) if container else 0
+        before, after = [], []
+        for i, (name, mod) in enumerate(model.named_modules()):
+            inside = container == "" or name == container or name.startswith(container + ".")
+            if inside or not any(True for _ in mod.parameters(recurse=False)):
+                continue
+            (before if i < where else after).append(name)
+        return before, after
+
+    def _refuse_tied(self, model: torch.nn.Module) -> None:
+        owners: dict[int, set[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(name.rpartition(".")[0])
+        for names in owners.values():
+            if len(names) > 1 and len({self._owner_stage(n) for n in names}) > 1:
+                raise ConfigError(f"pipeline parallelism: {' and '.join(sorted(names))} share a weight (tied "
+                                  "embeddings) across stages, whose gradients would need summing: not supported")
+
+    def _owner_stage(self, module_name: str) -> str:
+        for i, block in enumerate(self.names):
+            if module_name == block or module_name.startswith(block + "."):
+                return f"block {i}"
+        return module_name
+
+    def _cut(self, model: torch.nn.Module) -> None:
+        modules = dict(model.named_modules())
+        before, after = self._parts(model)
+        for i, name in enumerate(self.names):
+            if i not in self.blocks:
+                _replace(model, name, _Skipped())
+        if not self.first:
+            for name in before:
+                mod = modules[name]
+                if not isinstance(mod, torch.nn.Embedding):
+                    raise ConfigError(f"pipeline parallelism: {name} ({type(mod).__name__}) runs before the first "
+                                      "block and is not an embedding: not split yet")
+                _replace(model, name, _EmbeddingStandIn(mod.embedding_dim, mod.weight.dtype))
+            modules[self.names[self.blocks.start]].register_forward_pre_hook(self._receive, with_kwargs=True)
+        if not self.last:
+            for name in after:
+                _replace(model, name, _Elsewhere(name))
+            modules[self.names[self.blocks.stop - 1]].register_forward_hook(_hand_off)
+
+    def _receive(self, module, args, kwargs):
+        hidden = self.module.received
+        if hidden is None:  # the probe for the handoff's shape: the stand-in's zeros pass through
+            return None
+        if args:
+            return (hidden, *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": hidden}
+        raise ConfigError(f"pipeline parallelism: {type(module).__name__} takes its hidden state neither first nor "
+                          "as hidden_states")
+
+    # ---------------------------------------------------------------------------------------- the engine
+
+    def step(self, batch, micro_batch: int) -> torch.Tensor:
+        """One step's forwards and backwards over `batch`'s micro-batches under the schedule; the mean loss
+        on the last stage (zero elsewhere)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        n = self.config.grad_accum
+        if self.schedule is None:
+            handoff = self._handoff_meta(batch, micro_batch)
+            loss_meta = torch.empty(1, device=self.device, requires_grad=True)
+            self.engine = PipelineStage(
+                self.module, self.stage, self.config.pp, self.device,
+                input_args=() if self.first else (handoff,), output_args=(loss_meta if self.last else handoff,))
+            kind = ScheduleGPipe if self.config.pp_schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(self.engine, n_microbatches=n, loss_fn=_weighted_loss, scale_grads=False)
+            if dist.get_backend() == "fake":
+                static_pipeline_metadata(self.schedule)
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(n, device=self.device) if self.last else None
+        fake = dist.get_backend() == "fake"
+        with p2p_works_hold_tensors() if fake else contextlib.nullcontext():
+            self.schedule.step(batch=batch, target=target, losses=losses)
+        if self.last:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    def _handoff_meta(self, batch, micro_batch: int) -> torch.Tensor:
+        """The hidden state stages pass on (shape and dtype): the first block's output for one micro-batch,
+        computed without gradients, the RNG left as it was."""
+        from memfit.workload import split_batch
+
+        micro = split_batch(batch, micro_batch)[0]
+        model = self.module.model
+        seen: list[torch.Tensor] = []
+
+        def grab(module, args, output):
+            seen.append(output if isinstance(output, torch.Tensor) else output[0])
+            raise _Handoff(seen[-1])
+
+        # this stage's first block: on a later stage it runs on the embedding stand-in's zeros
+        first_block = dict(model.named_modules())[self.names[self.blocks.start]]
+        handle = first_block.register_forward_hook(grab, prepend=True)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                try:
+                    self.module.loss(model, micro)
+                except _Handoff:
+                    pass
+        finally:
+            handle.remove()
+        if not seen:
+            raise ConfigError("pipeline parallelism: the model's forward never ran its first repeated block")
+        out = seen[0]
+        return torch.empty(out.shape, dtype=out.dtype, device=self.device, requires_grad=True)
+
+    def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradients' L2 norm over every stage, from this stage's."""
+        squared = norm.float() ** 2
+        dist.all_reduce(squared)
+        return squared.sqrt()
+
+
+def _weighted_loss(out: torch.Tensor, target) -> torch.Tensor:
+    """The last stage's output is already the micro-batch's loss, weighted by its share of the batch."""
+    return out.sum()
+
+
+def _hand_off(module, args, output):
+    raise _Handoff(output if isinstance(output, torch.Tensor) else output[0])
+
+
+def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
