@@ -356,15 +356,17 @@ def cmd_train(args) -> int:
     from memfit.runtime import distributed
     from memfit.runtime.run import default_run_dir
 
-    _check_counts(args, "gpus", "keep_checkpoints")
+    _check_counts(args, "gpus", "keep_checkpoints", "tp")
+    if args.gpus % args.tp:
+        raise ConfigError(f"--tp {args.tp} does not divide --gpus {args.gpus}")
     allow = _allow(args.allow)
     if {"lora", "qlora"} & set(allow):
         from memfit.planner.search import lora_flag
         raise ConfigError(f"train runs one model: a LoRA plan (memfit plan --allow lora or qlora) is trained with "
                           f"--lora {lora_flag()} (the options the plan names; --base-4bit for QLoRA's)")
     config = _config_json(args.config) if args.config else None
-    if config is not None and config.gpus != args.gpus:
-        raise ConfigError(f"--config is for {config.gpus} GPU(s); --gpus is {args.gpus}")
+    if config is not None and config.world != args.gpus:
+        raise ConfigError(f"--config is for {config.world} GPU(s); --gpus is {args.gpus}")
     workload = _workload(args)
     if args.gpus > 1 and not distributed.launched():
         if args.device.startswith("cuda"):
@@ -372,8 +374,9 @@ def cmd_train(args) -> int:
             if torch.cuda.device_count() < args.gpus:
                 raise ConfigError(f"--gpus {args.gpus} on --device {args.device}: this machine has "
                                   f"{torch.cuda.device_count()} GPU(s); run one launcher per node (torchrun, Slurm)")
-        if args.global_batch % args.gpus:
-            raise ConfigError(f"--global-batch {args.global_batch} does not split over --gpus {args.gpus}")
+        if args.global_batch % (args.gpus // args.tp):
+            raise ConfigError(f"--global-batch {args.global_batch} does not split over {args.gpus // args.tp} "
+                              "data-parallel ranks")
         if args.out is None:  # every rank must write into the same run folder
             args.out = str(default_run_dir(workload))
             args.argv += ["--out", args.out]
@@ -389,7 +392,7 @@ def cmd_train(args) -> int:
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    resume=args.resume, schedule=args.schedule,
                    progress=not args.no_progress, console=console, deterministic=args.deterministic,
-                   gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow)
+                   gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow, tp=args.tp)
     if args.gpus > 1 and not result.report:
         return 0  # ranks other than 0 say nothing
     from memfit.report.tables import run_view
@@ -677,6 +680,9 @@ def _add_train_command(sub) -> None:
                         "processes with gloo on a CPU), or the world of an outside launcher (default: %(default)s)")
     p.add_argument("--data-parallel", choices=[x for x in LAYOUTS if x not in ("none", "hsdp")],
                    help="layout across ranks (default: fsdp)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="of the --gpus ranks, how many split each block's matmuls (tensor parallel); the data-parallel "
+                        "ranks are gpus / tp (default: %(default)s)")
     p.set_defaults(fn=cmd_train)
 
 

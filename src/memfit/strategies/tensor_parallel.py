@@ -104,6 +104,10 @@ def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
         if width % tp:
             raise ConfigError(f"tensor parallel: {name}'s {width} {'output' if kind == 'colwise' else 'input'} "
                               f"features do not split over {tp} ranks")
+        head_dim = getattr(modules[name.rsplit(".", 1)[0]], "head_dim", None)  # an attention's projection
+        if isinstance(head_dim, int) and (width % head_dim or width // head_dim % tp):
+            raise ConfigError(f"tensor parallel: {name}'s {width // head_dim} heads of {head_dim} do not split over "
+                              f"{tp} ranks")
     embedding, head = _ends(model, modules, tp)
     final_norms = [n for n, m in (modules[base.rstrip(".")] if base else model).named_children() if _is_norm(m)]
     if len(final_norms) != 1:
