@@ -233,6 +233,14 @@ def t_integrations_lightning() -> str:
     return table(["precision", "clipping", "budget", "chosen", "predicted", "profiled", "predicted − profiled"], rows)
 
 
+def t_pipeline_parallel() -> str:
+    rows = [[r["workload"], r["stages"], r["schedule"], r["checkpoint"], " / ".join(_b(e) for e in r["estimates"]),
+             " / ".join(_b(m) for m in r["rank_peaks"]), " / ".join(f"{d:+,}" for d in r["diff_bytes"]),
+             f"{r['estimate_seconds']:.1f} s"] for r in results("pipeline_parallel")["rows"]]
+    return table(["model", "stages", "schedule", "checkpointing", "estimate per stage", "rank peaks",
+                  "estimate − peak (bytes)", "estimated in"], rows)
+
+
 def t_step_time() -> str:
     d = results("step_time")
 
@@ -260,6 +268,7 @@ def t_published_multi_gpu() -> str:
 TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
           "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
+          "pipeline_parallel": t_pipeline_parallel,
           "integrations_fit": t_integrations_fit, "integrations_lightning": t_integrations_lightning}
 
 
