@@ -34,6 +34,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"keep_tensors_on_unchanged_conversion"}  # a fake model's `.to()` in its forward
     pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
     pinned |= {"storage_uses", "current_autograd_node"}  # autograd's gradient sums, in place where a real step's are
+    pinned |= {"WAIT_TENSOR"}  # DTensor's collectives on fake tensors (tensor parallelism)
     assert set(ti.__all__) == pinned
 
 
@@ -727,3 +728,19 @@ def test_these_backward_formulas_fill_their_zeros_in_place_only_without_a_mode(o
     name = op.__name__.split(".")[0]
     in_place = "aten::_index_put_impl_" if op is torch.ops.aten.index_put.default else f"aten::{name}_"
     assert in_place in names and f"aten::{name}" not in names
+
+
+def test_a_functional_collectives_wait_is_the_pinned_op_and_its_fake_kernel_makes_a_second_tensor():
+    """DTensor's redistributions end in this wait; the real op returns the tensor it waited on, its meta kernel a
+    new one, which memfit's fix_fake_outputs replaces with the input (else every gathered tensor counts twice)."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the op and its meta kernel
+
+    from memfit.memory.kernels import fix_fake_outputs
+
+    op = torch.ops._c10d_functional.wait_tensor.default
+    assert str(op) == ti.WAIT_TENSOR
+    with new_fake_mode():
+        x = torch.empty(8, 4)
+        out = op(x)
+        assert ti.storage_key(out) != ti.storage_key(x)
+        assert fix_fake_outputs(op, (x,), {}, out) is x

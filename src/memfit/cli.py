@@ -124,6 +124,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="how ranks hold the model: ddp | fsdp (FSDP2, ZeRO-3) | fsdp-no-reshard (ZeRO-2-like) | "
                         "hsdp (shard in a node, replicate across) (default: fsdp with --gpus > 1)")
     p.add_argument("--gpus-per-node", type=int, help="ranks per node, hsdp's shard group (default: 8)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks splitting each block's matmuls, beside --gpus (default: %(default)s)")
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
 
 
@@ -168,7 +170,7 @@ def _config(args, device=None) -> Config:
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
                   optimizer_8bit=args.optimizer_8bit, paged_optimizer=args.paged_optimizer, base_4bit=args.base_4bit,
                   loss_chunks=args.loss_chunks,
-                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node)
+                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node, tp=getattr(args, "tp", 1))
 
 
 def _check_counts(args, *names: str) -> None:

@@ -32,7 +32,7 @@ __all__ = ["ACCUMULATE_GRAD", "answer_device_query", "autocast_disabled", "autoc
            "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
            "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
            "stand_ins_for_rng_state_copies", "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode",
-           "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily"]
+           "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily", "WAIT_TENSOR"]
 
 # FakeTensorMode logs every failing meta kernel under this logger (its module's name)
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -45,6 +45,10 @@ DATA_DEPENDENT_ERRORS = (DynamicOutputShapeException, DataDependentOutputExcepti
 # of every gradient, so a traced step issues more of them than real ops (13,000 beside 5,500 in two Mamba
 # layers at seq 64). It reads and allocates nothing: memfit's dispatch modes answer it (`answer_device_query`).
 DEVICE_QUERY = torch.ops.prim.device.default
+
+# A functional collective's wait, by name (the op exists once torch.distributed is imported): DTensor's
+# redistributions end in one, and it returns the very tensor it waited on, where its meta kernel makes a new one.
+WAIT_TENSOR = "_c10d_functional.wait_tensor.default"
 
 
 def answer_device_query(args: tuple, kwargs: dict) -> torch.device:

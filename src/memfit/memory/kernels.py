@@ -132,7 +132,7 @@ import torch
 
 from memfit.memory.fake import is_fake
 from memfit.memory.isolate import available_host_bytes
-from memfit.torch_internals import held_by, profiler_call_allocations
+from memfit.torch_internals import WAIT_TENSOR, held_by, profiler_call_allocations
 
 aten = torch.ops.aten
 
@@ -254,9 +254,6 @@ _OUTPUT_FIXES = {
     **dict.fromkeys((aten.hardswish_backward.default, aten.elu_backward.default, aten.softplus_backward.default,
                      aten.hardsigmoid_backward.default, aten.hardtanh_backward.default), _like_gradient),
 }
-# A functional collective's wait returns the very tensor it waited on (DTensor's redistributions end in one);
-# its meta kernel returns a new one, which would count every gathered or reduced tensor twice.
-WAIT_TENSOR = "_c10d_functional.wait_tensor.default"
 _CPU_OUTPUT_FIXES = {  # where a CUDA kernel's outputs may differ: for a CPU target only
     aten.native_layer_norm.default: _norm_statistics((2, 3)),
     aten.native_group_norm.default: _norm_statistics((1, 2)),
@@ -270,7 +267,7 @@ def fix_fake_outputs(func, args, kwargs, out, cpu: bool = True):
     """`out` with every fake output the meta kernel sizes or lays out differently from the kernel made again
     as the kernel makes it (`cpu`: the target runs CPU kernels; a GPU target gets only the fixes that hold for
     its kernels too). Call from a dispatch mode sitting above the fake mode, so that new tensors are fake ones."""
-    if str(func) == WAIT_TENSOR and isinstance(args[0], torch.Tensor):
+    if str(func) == WAIT_TENSOR and isinstance(args[0], torch.Tensor):  # the tensor waited on, not a second one
         return args[0]
     fix = _OUTPUT_FIXES.get(func) or (_CPU_OUTPUT_FIXES.get(func) if cpu else None)
     if fix is None or not any(isinstance(t, torch.Tensor) and is_fake(t)

@@ -1,8 +1,8 @@
 """Memory-saving strategies, each in its own module.
 
-Order: tensor parallelism splits the blocks' matmuls (torchtitan applies TP first), 4-bit base weights replace the
-frozen Linear layers (QLoRA), precision casts the weights, checkpointing wraps the repeated blocks, then data
-parallelism shards them across ranks (apply_model_strategies);
+Order: 4-bit base weights replace the frozen Linear layers (QLoRA), precision casts the weights, tensor parallelism
+splits the blocks' matmuls, checkpointing wraps the repeated blocks, then data parallelism shards them across
+ranks (apply_model_strategies);
 TrainStep then builds the optimizer (with 8-bit moments, paged from the host, when asked), puts optimizer offload (or the optimizer
 step in backward) around the optimizer and activation offload around each forward;
 accumulation and loss scaling are the step's own loop (memfit/step.py).
@@ -30,14 +30,16 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
 
 
 def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
-    """The fixed order: 0. tensor parallelism, 1. 4-bit base weights, 2. precision of the weights, 3. activation
-    checkpointing of repeated blocks (memfit's, and the model's own made to replay as memfit's does), 4. data
-    parallelism. Everything that can fail is resolved first, so a bad configuration leaves the model untouched."""
+    """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. tensor parallelism (torchtitan splits
+    before it checkpoints and shards; cast after splitting, a bf16-pure embedding kept fp32 state beside a bf16
+    gradient and AdamW refused it on real ranks), 4. activation checkpointing of repeated blocks (memfit's, and the model's
+    own made to replay as memfit's does), 5. data parallelism. Everything that can fail is resolved first, so a
+    bad configuration leaves the model untouched."""
     blocks = chosen_blocks(model, config.activation_checkpoint)
-    model = apply_tensor_parallel(model, config, device)
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
+    model = apply_tensor_parallel(model, config, device)
     model = apply_checkpointing(replay_model_checkpointing(model), blocks,
                                 selective=config.activation_checkpoint == "selective")
     model = apply_data_parallel(model, config, device)
