@@ -241,6 +241,22 @@ def t_pipeline_parallel() -> str:
                   "estimate − peak (bytes)", "estimated in"], rows)
 
 
+def t_tensor_parallel() -> str:
+    rows = [[r["workload"], r["precision"], r["checkpoint"], _b(r["estimate"]), " / ".join(_b(m) for m in r["rank_peaks"]),
+             signed_pct(r["error_vs_min"], 3), signed_pct(r["error_vs_max"], 2), r["runs"],
+             f"{r['estimate_seconds']:.1f} s"] for r in results("tensor_parallel")["memory"]]
+    return table(["model", "precision", "checkpointing", "estimate (rank 0)", "rank peaks (lowest of the runs)",
+                  "vs lowest rank", "vs highest rank", "runs", "estimated in"], rows)
+
+
+def t_tensor_parallel_numerics() -> str:
+    rows = [[r["workload"], f"{r['terms']:,}", f"{r['sgd_loss_over_tolerance']:.3f}", f"{r['sgd_grad_over_tolerance']:.3f}",
+             f"{r['sgd_weight_over_tolerance']:.3f}", f"{r['adamw_max_loss_diff']:.1e}", f"{r['adamw_max_weight_diff']:.1e}"]
+            for r in results("tensor_parallel")["numerics"]]
+    return table(["model", "terms per gradient entry", "SGD loss / tolerance", "gradients / tolerance",
+                  "weights / tolerance", "AdamW ×3: loss diff", "AdamW ×3: weight diff"], rows)
+
+
 def t_step_time() -> str:
     d = results("step_time")
 
@@ -268,7 +284,8 @@ def t_published_multi_gpu() -> str:
 TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
           "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
-          "pipeline_parallel": t_pipeline_parallel,
+          "pipeline_parallel": t_pipeline_parallel, "tensor_parallel": t_tensor_parallel,
+          "tensor_parallel_numerics": t_tensor_parallel_numerics,
           "integrations_fit": t_integrations_fit, "integrations_lightning": t_integrations_lightning}
 
 

@@ -177,7 +177,8 @@ def test_the_plan_makes_attention_see_its_ranks_heads_and_gathers_inputs_as_they
 
 def test_cli_trains_split_over_two_ranks(tmp_path, capfd):
     """`memfit train --gpus 2 --tp 2`: two ranks, one data-parallel rank of two tensor-parallel ones, each
-    recording its own peak; a tp that does not divide the ranks is refused in one line."""
+    recording its own peak; a tp that does not divide the ranks, or leaves data-parallel ranks beside it (not
+    built yet), is refused in one line before any rank starts."""
     out = tmp_path / "run"
     assert main(["train", "gpt-tiny", "--gpus", "2", "--tp", "2", "--steps", "1", "--global-batch", "8",
                  "--micro-batch", "8", "--schedule", "constant", "--no-progress", "--out", str(out)]) == 0
@@ -188,3 +189,5 @@ def test_cli_trains_split_over_two_ranks(tmp_path, capfd):
     assert len(record["rank_peak_bytes"]) == 2
     assert main(["train", "gpt-tiny", "--gpus", "3", "--tp", "2", "--steps", "1", "--global-batch", "8"]) == 2
     assert "--tp 2 does not divide --gpus 3" in capfd.readouterr().err
+    assert main(["train", "gpt-tiny", "--gpus", "4", "--tp", "2", "--steps", "1", "--global-batch", "8"]) == 2
+    assert "data parallel beside it with tensor parallelism is not supported yet" in capfd.readouterr().err
