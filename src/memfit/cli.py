@@ -361,6 +361,9 @@ def cmd_train(args) -> int:
     _check_counts(args, "gpus", "keep_checkpoints", "tp")
     if args.gpus % args.tp:
         raise ConfigError(f"--tp {args.tp} does not divide --gpus {args.gpus}")
+    if args.tp > 1:  # refused here in one line rather than by every rank once launched
+        dp = args.gpus // args.tp
+        Config(gpus=dp, data_parallel=(args.data_parallel or "fsdp") if dp > 1 else "none", tp=args.tp)
     allow = _allow(args.allow)
     if {"lora", "qlora"} & set(allow):
         from memfit.planner.search import lora_flag
