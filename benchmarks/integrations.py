@@ -108,6 +108,7 @@ def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) 
     sets it); everything after, `accelerator.prepare` and the step, is Trainer's and Accelerate's own code. On
     CPU ranks Trainer copies each micro-batch to the device 'cpu:0' (the same memory, another device index),
     which a GPU run does not."""
+    import copy
     import gc
     import os
 
@@ -118,12 +119,13 @@ def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) 
     from truth import on_gloo_ranks
 
     def rank_main(rank: int) -> int:
+        from accelerate.state import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         warnings.simplefilter("ignore")
         transformers.logging.set_verbosity_error()
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-        args = _args(f"{folder}/rank{rank}", fsdp=True, **kw)
+        args = _args(f"{folder}/rank{rank}", fsdp=True, **copy.deepcopy(kw))
 
         class OnCpuRanks(transformers.Trainer):
             def create_accelerator_and_postprocess(self):
@@ -133,6 +135,9 @@ def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) 
                 if state.mixed_precision != "no":
                     plugin.set_mixed_precision(state.mixed_precision)
                 state.distributed_type, state.fsdp_plugin, self.is_fsdp_enabled = DistributedType.FSDP, plugin, True
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # else reset before train()
+                if not self.accelerator.is_fsdp2:
+                    raise RuntimeError("Accelerate's distributed type is not FSDP2")
 
         class Steps(transformers.TrainerCallback):
             def on_step_begin(self, *_, **__):

@@ -36,6 +36,7 @@ from memfit.losses import chunking
 from memfit.memory.devices import get_device, nccl_bytes
 from memfit.memory.estimate import Category, Estimate, estimate
 from memfit.planner.search import Plan, check_allow, resolve_budget
+from memfit.strategies.optimizer_8bit import BLOCK, MIN_SIZE
 from memfit.torch_internals import fake_process_group
 from memfit.units import fmt_bytes
 from memfit.workload import Workload, tensors_of
@@ -45,6 +46,9 @@ MISSING = "transformers is not installed: pip install 'memfit[hf]'"
 # args.optim values whose optimizer memfit builds as Trainer does (transformers' own handler); the rest of
 # OptimizerNames (GaLore, APOLLO, LOMO, bitsandbytes, torchao, schedule-free, ...) are refused
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd")
+# bitsandbytes' AdamW with 8-bit states, as transformers builds it for these names (not paged); its states are
+# laid out by `BitsAndBytesAdamW`, for a GPU
+BNB_8BIT = ("adamw_bnb_8bit", "adamw_8bit")
 # what `allow` may name: the precisions a plan may switch to (they change the math, as memfit plan --allow)
 PRECISIONS = {"bf16": "bf16", "fp16": "fp16"}
 
@@ -90,7 +94,16 @@ def trainer_workload(model, args, *, seq_len: int, gpus: int | None = None) -> W
     `max_length`, give the exact figure). Under FSDP (`args.fsdp`) it is rank 0's step and must be traced in a
     process group of `gpus` ranks (`estimate_training_args` makes a fake one)."""
     not_modelled(args, gpus)
+    if args.fsdp and args.gradient_accumulation_steps > 1 and not _syncs_each_batch(args):  # `fit` plans around it
+        raise ConfigError(f"not modelled by memfit for Trainer: fsdp with gradient_accumulation_steps="
+                          f"{args.gradient_accumulation_steps} (Trainer then skips the gradients' reduce-scatter under "
+                          "no_sync and accumulates them unsharded): set accelerator_config={'gradient_accumulation_"
+                          "kwargs': {'sync_each_batch': True}}; no estimate is made for it")
     return _step(model, args, seq_len, _checkpointing_of(args), _precision_of(args), _sharding(args, gpus))
+
+
+def _optim_name(args) -> str:
+    return getattr(args.optim, "value", args.optim)
 
 
 def _precision_of(args) -> str:
@@ -103,10 +116,12 @@ def _checkpointing_of(args) -> tuple[bool, dict | None]:
 
 
 def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], precision: str,
-          sharding: "Sharding | None" = None) -> Workload:
-    """`trainer_workload` with transformers' activation checkpointing (on, its keywords) and the precision
-    given apart from `args`: the planner's candidates are estimated without a TrainingArguments made for each
-    (building one resets Accelerate's process-wide state, a live Trainer's included)."""
+          sharding: "Sharding | None" = None, optim: str | None = None) -> Workload:
+    """`trainer_workload` with transformers' activation checkpointing (on, its keywords), the precision and the
+    optimizer's name (None: `args.optim`) given apart from `args`: the planner's candidates are estimated
+    without a TrainingArguments made for each (building one resets Accelerate's process-wide state, a live
+    Trainer's included)."""
+    optim = optim or _optim_name(args)
     transformers = _transformers()
     sft = _is_sft(args)
     base = base_workload(model, _sft_rows(args, seq_len) if sft else seq_len)
@@ -158,9 +173,13 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
         wanted = {id(p) for p in params}
         names = dict(built[0].named_parameters())
         decay = set(transformers.Trainer.get_decay_parameter_names(None, built[0]))
-        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, built[0])
         groups = [{"params": [p for n, p in names.items() if id(p) in wanted and p.requires_grad and (n in decay) == d],
                    "weight_decay": args.weight_decay if d else 0.0} for d in (True, False)]
+        if optim in BNB_8BIT:  # Trainer then registers every nn.Embedding's weight for 32-bit states
+            embeddings = {id(m.weight) for m in built[0].modules() if isinstance(m, torch.nn.Embedding)}
+            return BitsAndBytesAdamW(groups, embeddings, lr=args.learning_rate, eps=args.adam_epsilon,
+                                     betas=(args.adam_beta1, args.adam_beta2))
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, built[0])
         return cls(groups, **kwargs)
 
     def sft_batch(n: int) -> dict:
@@ -183,6 +202,54 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
     return Workload(model=build, batch=sft_batch if sft else base.batch, loss=sft_loss if sft else loss,
                     optimizer=optimizer, name=f"{'SFTTrainer' if sft else 'Trainer'}({base.name})",
                     max_grad_norm=clip)
+
+
+class BitsAndBytesAdamW(torch.optim.AdamW):
+    """The optimizer states of bitsandbytes' AdamW with `optim_bits=8` as Trainer makes it (`adamw_bnb_8bit`),
+    for an estimate of a GPU step; it updates nothing. Laid out as bitsandbytes 0.50 lays them out
+    (`Optimizer2State.init_state`): a parameter of 4,096 elements or more (`min_8bit_size`, every shape, 1-D
+    too) keeps two uint8 states of its own shape and two fp32 absmax vectors, one value per 256 elements of
+    the flattened tensor (the last block shorter), and shares the two 256-value fp32 quantization maps made
+    once on the device; a smaller one, or one registered for 32 bits (Trainer registers every nn.Embedding's
+    weight with `GlobalOptimManager.register_module_override`, listed in `fp32`), keeps two fp32 states. The
+    step count is a Python int. The update is bitsandbytes' fused CUDA kernel, in place, allocating nothing,
+    so the stand-in allocates nothing either (on a CPU bitsandbytes updates with whole fp32 copies instead:
+    refused there). memfit's own `Adam8bit` is another layout: blocks along rows, 1-D tensors in fp32. An AdamW
+    to the planner, whose advice on what else may fit rebuilds AdamW with memfit's states."""
+
+    def __init__(self, params, fp32: set[int], **defaults):
+        torch.optim.Optimizer.__init__(self, params, {"weight_decay": 0.0, **defaults})
+        self.fp32, self.maps = fp32, None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self._make_state(p)
+                self.state[p]["step"] += 1
+        return loss
+
+    def _make_state(self, p: torch.Tensor) -> None:
+        state = self.state[p]
+        state["step"] = 0
+        if id(p) in self.fp32 or p.numel() < MIN_SIZE:
+            state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+            state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+            return
+        if self.maps is None:
+            self.maps = tuple(torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(2))
+        blocks = -(-p.numel() // BLOCK)
+        for i, qmap in zip((1, 2), self.maps):
+            state[f"state{i}"] = torch.zeros_like(p, dtype=torch.uint8)
+            state[f"qmap{i}"] = qmap
+            state[f"absmax{i}"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
 
 def _is_sft(args) -> bool:
@@ -306,6 +373,13 @@ def _sharding(args, gpus: int | None) -> Sharding | None:
     return Sharding(world=gpus or args.world_size, plugin=dict(args.fsdp_plugin_args))
 
 
+def _syncs_each_batch(args) -> bool:
+    """Whether Trainer reduces the gradients after every micro-batch (Accelerate's `sync_each_batch`), as memfit's
+    step does, rather than accumulating them under `no_sync` until the last."""
+    kwargs = getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {}
+    return bool(kwargs.get("sync_each_batch"))
+
+
 def _fsdp_not_modelled(args, gpus: int | None) -> str | None:
     """Why Trainer's FSDP with `args` on `gpus` ranks is not modelled (None: it is)."""
     config = args.fsdp_config or {}
@@ -320,6 +394,7 @@ def _fsdp_not_modelled(args, gpus: int | None) -> str | None:
                 "them)")
     if args.fp16:
         return "fsdp with fp16 (FSDP2's sharded gradient scaler): use bf16"
+
     if _is_sft(args):
         return "fsdp with an SFTConfig (TRL's fused LM head under FSDP2 is not checked)"
     if getattr(args, "parallelism_config", None) is not None:
@@ -357,8 +432,14 @@ def not_modelled(args, gpus: int | None = None) -> None:
         why = "DeepSpeed (its ZeRO stages, buffers and offload are not memfit's layouts)"
     elif args.torch_compile:
         why = "torch_compile (a compiled step keeps other tensors than the eager one memfit traces)"
-    elif args.optim not in OPTIMIZERS:
-        why = f"optim={getattr(args.optim, 'value', args.optim)!r} (modelled: {', '.join(OPTIMIZERS)})"
+    elif args.optim in ("paged_adamw_8bit", "paged_adamw_32bit"):
+        why = (f"optim={_optim_name(args)!r} (bitsandbytes keeps the states of 100,000 elements or more in CUDA "
+               "unified memory, outside PyTorch's allocator, on the GPU or the host as the driver decides): use "
+               "adamw_bnb_8bit")
+    elif args.optim not in OPTIMIZERS + BNB_8BIT:
+        why = (f"optim={_optim_name(args)!r} (modelled: {', '.join(OPTIMIZERS + BNB_8BIT)})")
+    elif args.optim in BNB_8BIT and args.fsdp:
+        why = "fsdp with bitsandbytes' 8-bit states (their layout over FSDP2's shards is not checked)"
     elif getattr(args, "use_liger_kernel", False):
         why = "use_liger_kernel (Liger's fused kernels replace the model's own)"
     elif args.label_smoothing_factor:
@@ -382,6 +463,10 @@ def _check_target(args, dev) -> None:
     """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces. Trainer's
     fsdp on a CPU is refused: Accelerate shards with FSDP only on accelerators, and CPU processes train with
     its DDP (MULTI_CPU) instead."""
+    if args.optim in BNB_8BIT and dev.kind != "cuda":
+        raise ConfigError(f"not modelled by memfit for Trainer: optim={_optim_name(args)!r} on a CPU ({dev.name}), "
+                          "where bitsandbytes updates through whole fp32 copies of each state (memfit models its "
+                          "fused CUDA kernel); no estimate is made for it")
     if args.fsdp and dev.kind != "cuda":
         raise ConfigError(f"not modelled by memfit for Trainer: fsdp on a CPU ({dev.name}), where Accelerate trains "
                           "the processes with DDP instead (FSDP only on accelerators); no estimate is made for it")
@@ -516,16 +601,21 @@ def fit_training_args(model, args, *, seq_len: int, device: str | None = None, b
     best = _fit(model, args, seq_len, device, budget, allow, gpus)
     with warnings.catch_warnings():  # the deprecated alias is mirrored by TrainingArguments itself
         warnings.simplefilter("ignore", FutureWarning)
-        return dataclasses.replace(args, auto_find_batch_size=False, **settings(best.config)), best
+        return dataclasses.replace(args, auto_find_batch_size=False, **_arguments(best.config, args)), best
 
 
 def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = None) -> Plan:
+    """The fastest plan over the precisions and optimizers `allow` lets Trainer switch to; every candidate taken
+    is confirmed by an estimate of the step Trainer runs with it."""
     allowed = frozenset([allow] if isinstance(allow, str) else allow)
     planner_allow = check_allow(allowed - set(PRECISIONS))
-    if planner_allow:
-        raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow))} for Trainer yet: the arguments it "
-                          "maps to are not modelled (8-bit and paged optimizers keep Embedding states in 32 bits "
-                          "under Trainer; adapters are the model's, not the arguments')")
+    optims = [_optim_name(args)]
+    if "8bit-optim" in planner_allow:
+        optims += _eight_bit_allowed(args, device)
+    if planner_allow - {"8bit-optim"}:
+        raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow - {'8bit-optim'}))} for Trainer: paged "
+                          "optimizers keep their states in CUDA unified memory, outside PyTorch's allocator; "
+                          "adapters are the model's, not the arguments'")
     not_modelled(args, gpus)
     dev, limit = target(device, budget)
     _check_target(args, dev)
@@ -534,16 +624,17 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
         raise ConfigError("cannot allow fp16 for Trainer's fsdp: FSDP2's sharded gradient scaler is not modelled")
     name = _checkpointing_name()
 
-    def as_run(config: Config, precision: str) -> Config:
+    def as_run(config: Config, precision: str, optim: str) -> Config:
         """A traced candidate as the Config of the run it stands for."""
+        config = config.replace(optimizer_8bit=optim in BNB_8BIT)
         return config if sharding is None else config.replace(precision=precision, gpus=sharding.world,
                                                                data_parallel=sharding.layout)
 
-    def confirm_as(precision: str):
+    def confirm_as(precision: str, optim: str):
         def confirm(config: Config) -> Estimate:
             kw = settings(config.replace(precision=precision))
-            wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding)
-            return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision), dev)
+            wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding, optim)
+            return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision, optim), dev)
         return confirm
 
     nccl = _nccl(user, dev)  # outside the traced step: the planner gets the budget without it, then it is added
@@ -553,26 +644,61 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
             raise PlanError(f"nothing fits in {fmt_bytes(limit + nccl)} on {dev.name}: NCCL's communicators alone "
                             f"take {fmt_bytes(nccl)} of each GPU of {user.gpus}")
     plans, errors = [], []
-    for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed))]):
-        searched = _step(model, args, seq_len, (False, None), precision, sharding)
-        try:
-            with _rank_world(user.gpus):  # the planner traces rank 0 of the run's ranks, the precision in the workload
-                found = plan_runnable(searched, user.rank_batch, runs, stack="Trainer", confirm=confirm_as(precision),
-                                      budget=limit, device=dev, precision=precision if sharding is None else "fp32",
-                                      offload_activations=False, offload_optimizer=False)
-        except PlanError as e:
-            errors.append(e)
-            continue
-        plans.append(dataclasses.replace(
-            found, config=as_run(found.config, precision),
-            alternatives=[dataclasses.replace(c, config=as_run(c.config, precision), peak_bytes=c.peak_bytes + nccl)
-                          for c in found.alternatives],
-            estimate=found.estimate and _with_nccl(found.estimate, as_run(found.config, precision), dev),
-            budget_bytes=found.budget_bytes + nccl, usable_bytes=found.usable_bytes + nccl,
-            peak_bytes=found.peak_bytes + nccl))
+    for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed) if a in PRECISIONS)]):
+        for optim in optims:
+            searched = _step(model, args, seq_len, (False, None), precision, sharding, optim)
+            try:
+                with _rank_world(user.gpus):  # the planner traces rank 0 of the run's ranks
+                    found = plan_runnable(searched, user.rank_batch, runs_for(args, sharding), stack="Trainer",
+                                          confirm=confirm_as(precision, optim), budget=limit, device=dev,
+                                          precision=precision if sharding is None else "fp32",
+                                          offload_activations=False, offload_optimizer=False)
+            except PlanError as e:
+                errors.append(e)
+                continue
+            plans.append(dataclasses.replace(
+                found, config=as_run(found.config, precision, optim),
+                alternatives=[dataclasses.replace(c, config=as_run(c.config, precision, optim),
+                                                  peak_bytes=c.peak_bytes + nccl) for c in found.alternatives],
+                estimate=found.estimate and _with_nccl(found.estimate, as_run(found.config, precision, optim), dev),
+                budget_bytes=found.budget_bytes + nccl, usable_bytes=found.usable_bytes + nccl,
+                peak_bytes=found.peak_bytes + nccl))
     if not plans:
         raise errors[0]
     return min(plans, key=lambda p: p.step_seconds)
+
+
+def runs_for(args, sharding: Sharding | None):
+    """`runs`, and under FSDP without `sync_each_batch` one micro-batch a step (Trainer's no_sync accumulation
+    is not modelled)."""
+    if sharding is None or _syncs_each_batch(args):
+        return runs
+
+    def check(config: Config) -> str | None:
+        return runs(config) or ("accumulation under FSDP without sync_each_batch" if config.grad_accum > 1 else None)
+    return check
+
+
+def _eight_bit_allowed(args, device) -> list[str]:
+    """What `allow=("8bit-optim",)` lets Trainer switch `args.optim` to: bitsandbytes' 8-bit AdamW, with the same
+    hyperparameters, for AdamW on a GPU."""
+    if _optim_name(args) in BNB_8BIT:
+        return []
+    if _optim_name(args) not in ("adamw_torch_fused", "adamw_torch"):
+        raise ConfigError(f"cannot allow 8bit-optim for Trainer with optim={_optim_name(args)!r}: it replaces "
+                          "AdamW with bitsandbytes' 8-bit AdamW (adamw_bnb_8bit)")
+    if device is None or get_device(device).kind != "cuda":
+        raise ConfigError("cannot allow 8bit-optim for Trainer on a CPU: bitsandbytes' CPU update is not modelled")
+    return ["adamw_bnb_8bit"]
+
+
+def _arguments(config: Config, args) -> dict:
+    """The TrainingArguments keywords that run a planned `config`: `settings`, and bitsandbytes' 8-bit AdamW where
+    the plan switched to 8-bit states."""
+    kw = settings(config.replace(optimizer_8bit=False))
+    if config.optimizer_8bit and _optim_name(args) not in BNB_8BIT:
+        kw["optim"] = "adamw_bnb_8bit"
+    return kw
 
 
 _WORLD: list[int] = []  # the fake world this module has made and is inside, if any
@@ -648,7 +774,7 @@ def _callback_class():
 
         def on_init_end(self, args, state, control, model=None, **kwargs):
             self.plan = _fit(model, args, self.seq_len, self.device, self.budget, ())
-            for key, value in {**settings(self.plan.config), "auto_find_batch_size": False}.items():
+            for key, value in {**_arguments(self.plan.config, args), "auto_find_batch_size": False}.items():
                 setattr(args, key, value)
             name = _checkpointing_name()
             if name != "gradient_checkpointing":  # the deprecated alias mirrors the new name, as __post_init__ does
