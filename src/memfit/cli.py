@@ -15,7 +15,7 @@ from memfit.errors import ConfigError, PlanError, RunError, WorkloadError
 
 
 def _activation_checkpoint_arg(text: str):
-    if text in ("none", "all", "selective"):
+    if text in ("none", "all", "selective", "selective-op"):
         return text
     if text.isdigit():
         return int(text)
@@ -98,8 +98,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS,
                    help=_PRECISION_HELP + " (default: the device's: fp32 on a CPU; on a GPU bf16, or fp16 without it)")
     p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg, default="none",
-                   help="activation checkpointing: none | all | selective | k (every k-th block) | name,name,... "
-                        "(--checkpoint: the old spelling, read until 0.3)")
+                   help="activation checkpointing: none | all | selective | selective-op (torchtitan's) | "
+                        "k (every k-th block) | name,name,... (--checkpoint: the old spelling, read until 0.3)")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep activations saved for backward in host memory between forward and backward")
     p.add_argument("--offload-optimizer", action="store_true",
@@ -623,7 +623,7 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--micro-batch", type=int, help="fix the micro-batch")
     p.add_argument("--precision", choices=PRECISIONS, help="fix the precision: " + _PRECISION_HELP)
     p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg,
-                   help="fix activation checkpointing: none | all | selective | k | name,name,... "
+                   help="fix activation checkpointing: none | all | selective | selective-op | k | name,name,... "
                         "(--checkpoint: the old spelling, read until 0.3)")
     p.add_argument("--offload-activations", action="store_true", help="force activation offload")
     p.add_argument("--offload-optimizer", action="store_true", help="force optimizer offload")

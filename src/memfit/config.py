@@ -27,7 +27,9 @@ class Config:
         grad_accum: micro-steps per optimizer step; the global batch is ``micro_batch * grad_accum``.
         activation_checkpoint: which blocks drop their activations after forward and recompute them in
             backward: ``"none"``, ``"all"`` repeated blocks, ``"selective"`` (every block, but the outputs
-            of matmuls and attention are kept), an integer k (every k-th block) or a tuple of module names.
+            of matmuls and attention are kept), ``"selective-op"`` (torchtitan's op-level selective
+            checkpointing: attention's outputs and every second matmul's kept), an integer k (every k-th block)
+            or a tuple of module names.
         offload_activations: saved activations live in host memory between forward and backward.
         offload_optimizer: fp32 master weights, optimizer state and the optimizer step live on the host
             (ZeRO-Offload's idea).
@@ -109,11 +111,12 @@ class Config:
         if isinstance(ck, list):
             object.__setattr__(self, "activation_checkpoint", tuple(ck))
         elif isinstance(ck, bool) or not (
-            ck in ("none", "all", "selective") or (isinstance(ck, int) and ck >= 1) or isinstance(ck, tuple)
+            ck in ("none", "all", "selective", "selective-op") or (isinstance(ck, int) and ck >= 1)
+            or isinstance(ck, tuple)
         ):
             raise ConfigError(
-                "activation_checkpoint must be 'none', 'all', 'selective', an integer k >= 1 or a list of module "
-                f"names, got {ck!r}"
+                "activation_checkpoint must be 'none', 'all', 'selective', 'selective-op', an integer k >= 1 or a list "
+                f"of module names, got {ck!r}"
             )
 
     def _check_in_backward(self) -> None:

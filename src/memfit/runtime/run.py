@@ -147,6 +147,8 @@ def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
     for ck in ("selective", "all"):
         if last.activation_checkpoint in ("none", "selective") and ck != last.activation_checkpoint:
             out.append(last.replace(activation_checkpoint=ck))
+    if last.activation_checkpoint == "selective-op":  # keeps less than memfit's selective: only "all" is below it
+        out.append(last.replace(activation_checkpoint="all"))
     return out
 
 

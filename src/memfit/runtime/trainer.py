@@ -81,7 +81,7 @@ class Trainer:
             raise ConfigError("a running trainer cannot change precision or optimizer offload")
         if config.activation_checkpoint != old.activation_checkpoint:
             names = chosen_blocks(self.engine.model, config.activation_checkpoint)
-            apply_checkpointing(self.engine.model, names, selective=config.activation_checkpoint == "selective")
+            apply_checkpointing(self.engine.model, names, selective=config.activation_checkpoint)
         if config.offload_activations != old.offload_activations:
             self.engine.activation_offload = (ActivationOffload(self.engine.model, self.engine.device)
                                               if config.offload_activations else None)

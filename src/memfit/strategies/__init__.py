@@ -41,7 +41,7 @@ def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch
     model = cast_model(model, config)
     model = apply_tensor_parallel(model, config, device)
     model = apply_checkpointing(replay_model_checkpointing(model), blocks,
-                                selective=config.activation_checkpoint == "selective")
+                                selective=config.activation_checkpoint)
     model = apply_data_parallel(model, config, device)
     keep_tensors_on_unchanged_conversion(model)  # a fake model's `.to()` in its forward
     return model

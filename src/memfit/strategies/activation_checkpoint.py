@@ -4,12 +4,14 @@ Blocks are found, not declared: the repeated modules inside `nn.ModuleList` / `n
 (a transformer's layers, a ResNet's bottlenecks). Each chosen block's `forward` is wrapped in
 `torch.utils.checkpoint.checkpoint(use_reentrant=False)`; module names and state_dict keys do not change.
 "selective" checkpoints every block but keeps the outputs of matmuls and attention (expensive to redo)
-and recomputes only the cheap pointwise ops around them; a kept output goes to the recomputed call that
-computes the same op on the same values (`_Names`), so a block may run its ops a different number of
-times when recomputed. checkpoint() also keeps a copy of the CPU RNG state (5,056 bytes) per checkpointed
-block call until the recomputation, made outside the dispatcher where no dispatch mode sees it; a fake trace
-holds a stand-in of that size for as long (`_Replay`, which also serves a model's own checkpointing:
-transformers' gradient_checkpointing_enable()).
+and recomputes only the cheap pointwise ops around them; "selective-op" is torchtitan's op-level selective
+checkpointing, which keeps attention and every second `aten.mm` of each block (`_TorchtitanOpPolicy`). Both
+are policies of torch.utils.checkpoint's selective-checkpoint API run by one mechanism: a kept output goes to
+the recomputed call that computes the same op on the same values (`_Names`), so a block may run its ops a
+different number of times when recomputed. checkpoint() also keeps a copy of the CPU RNG state (5,056 bytes)
+per checkpointed block call until the recomputation, made outside the dispatcher where no dispatch mode sees
+it; a fake trace holds a stand-in of that size for as long (`_Replay`, which also serves a model's own
+checkpointing: transformers' gradient_checkpointing_enable()).
 """
 from __future__ import annotations
 
@@ -76,13 +78,63 @@ def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
     blocks = find_blocks(model)
     if not blocks:
         raise ConfigError("activation checkpointing: found no repeated blocks in this model; name modules explicitly")
-    if spec in ("all", "selective"):
+    if spec == "all" or spec in SELECTIVE:
         return blocks
     return blocks[::spec]  # every k-th block, starting with the first
 
 
 def _selective_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# torchtitan's `_save_list` as of commit 9dec370 (2024-12-26), the version its published Llama 3.1 8B FSDP
+# benchmark names (benchmarks/llama3_h100_202412_torchtitan.md). Later versions dropped `aten.abs`, added
+# FlexAttention, cuDNN attention and `aten.linear` (counted as an mm); the every-second-mm rule is in all.
+_TORCHTITAN_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.abs.default,  # float8 scaling's max(abs(x)); no op of a bf16 Llama block
+    torch.ops.aten.max.default,
+    # Not torchtitan's: the CPU's flash kernel, which a GPU-target trace runs in CUDA flash attention's place
+    # (strategies/cuda_kernels.py) and which a CPU run takes too; without it the estimate would recompute
+    # attention where the GPU run keeps it.
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+class _TorchtitanOpPolicy:
+    """torchtitan's op-level selective checkpointing (`apply_ac` with selective_ac_option "op"): keep the
+    outputs of `_TORCHTITAN_SAVE`, except every second `aten.mm` of a block call (the 2nd, 4th, ...), which is
+    recomputed: between keeping every matmul's output (memfit's "selective") and recomputing them all. A fresh
+    instance per checkpointed call, as torchtitan makes one per call, so the count starts at zero in every
+    block; forward and recomputation count apart, as torchtitan's do (memfit's `_Reuse` finds kept outputs
+    by name and does not ask the policy again)."""
+
+    def __init__(self):
+        self.mm_count = {False: 0, True: 0}  # is_recompute -> mm calls so far
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        if func == torch.ops.aten.mm.default:
+            self.mm_count[ctx.is_recompute] += 1
+            if self.mm_count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _TORCHTITAN_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Config.activation_checkpoint values that checkpoint every block under a selective policy.
+SELECTIVE = ("selective", "selective-op")
+
+
+def _policy(selective):
+    """The policy for one checkpointed call: memfit's (read here, at call time, so a benchmark may swap
+    it), torchtitan's (fresh counts), or None for plain checkpointing."""
+    if selective == "selective-op":
+        return _TorchtitanOpPolicy()
+    if selective is True or selective == "selective":
+        return _selective_policy
+    return None
 
 
 # Values that name themselves in a call's name; anything else an op is given is named by its type.
@@ -133,9 +185,9 @@ class _Keep(TorchDispatchMode):
     """The checkpointed forward: runs every op, names its outputs, and keeps the outputs the policy
     saves under the name of the call, oldest first."""
 
-    def __init__(self, kept: dict):
+    def __init__(self, kept: dict, policy):
         super().__init__()
-        self.kept, self.names = kept, _Names()
+        self.kept, self.policy, self.names = kept, policy, _Names()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -144,7 +196,7 @@ class _Keep(TorchDispatchMode):
         call = self.names.call(func, args, kwargs)
         out = func(*args, **kwargs)
         self.names.name_outputs(out, call)
-        policy = _selective_policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
+        policy = self.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
         if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
             # detached: a kept output must not hold the graph that holds this mode (the reference cycle would
             # keep every block's outputs until the garbage collector runs)
@@ -203,11 +255,12 @@ def _without_cache(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return bound.args, bound.kwargs
 
 
-def _contexts(selective: bool):
+def _contexts(selective):
     """checkpoint()'s context_fn: selective checkpointing's pair of dispatch modes, or none."""
-    if selective:
+    policy = _policy(selective)
+    if policy is not None:
         kept: dict = {}
-        return _Keep(kept), _Reuse(kept)
+        return _Keep(kept, policy), _Reuse(kept)
     return contextlib.nullcontext(), contextlib.nullcontext()
 
 
@@ -229,7 +282,7 @@ class _Replay:
             return self.function(*args, **kwargs)
 
 
-def _checkpointed(forward, selective: bool, *args, **kwargs):
+def _checkpointed(forward, selective, *args, **kwargs):
     args, kwargs = _without_cache(forward, args, kwargs)
     return checkpoint(_Replay(forward), *args, use_reentrant=False,
                       context_fn=functools.partial(_contexts, selective), **kwargs)
@@ -252,9 +305,11 @@ def replay_model_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def apply_checkpointing(model: torch.nn.Module, names: list[str], selective: bool) -> torch.nn.Module:
+def apply_checkpointing(model: torch.nn.Module, names: list[str], selective) -> torch.nn.Module:
     """Wrap the named blocks' forwards; wrappers from an earlier call are removed first, so a run can
-    change its checkpointing (OOM recovery) without nesting them."""
+    change its checkpointing (OOM recovery) without nesting them. `selective`: the Config's
+    activation_checkpoint ("selective", "selective-op"; anything else checkpoints in full), or a bool
+    (True: memfit's selective policy)."""
     for mod in model.modules():
         fwd = vars(mod).get("forward")
         if isinstance(fwd, functools.partial) and fwd.func is _checkpointed:
