@@ -46,29 +46,59 @@ def test_every_stage_estimate_matches_its_real_gloo_rank(name, schedule, checkpo
     assert est.peak_bytes == max(s["peak_bytes"] for s in est.stages)
 
 
+def test_stages_of_data_parallel_ranks_match_their_real_ranks():
+    """Two stages of two FSDP2 ranks each (a 2 x 2 mesh, the pipeline outermost): each stage is traced as its
+    first rank. gloo's worker thread frees a collective's tensors late, which only ever adds to a rank's peak
+    (BENCHMARKS.md, data parallel): each stage's estimate is compared with the lowest peak among its ranks
+    over up to RACE_RUNS runs, as the data-parallel tests do."""
+    from test_data_parallel import RACE_RUNS
+    from truth import rank_step_peaks
+
+    wl = builtin("gpt-tiny")
+    cfg = Config(micro_batch=2, grad_accum=4, pp=2, gpus=2, data_parallel="fsdp", activation_checkpoint="all")
+    est = [s["peak_bytes"] for s in memfit.estimate(wl, cfg).stages]
+
+    def lowest(peaks):  # each stage's lowest rank
+        return [min(peaks[s * cfg.gpus:(s + 1) * cfg.gpus]) for s in range(cfg.pp)]
+
+    peaks = rank_step_peaks(wl, cfg)
+    for _ in range(RACE_RUNS - 1):
+        if est == pytest.approx(lowest(peaks), rel=0.01):
+            break
+        peaks = [min(a, b) for a, b in zip(peaks, rank_step_peaks(wl, cfg))]
+    assert est == pytest.approx(lowest(peaks), rel=0.01)
+
+
 def _train(config: Config, steps: int = 3):
+    from torch.distributed.tensor import DTensor
+
     from memfit.runtime.trainer import Trainer
 
     trainer = Trainer(builtin("gpt-tiny"), config, seed=0, global_batch=16)
     losses = [trainer.step() for _ in range(steps)]
-    return losses, {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
+    return losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+                    for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_pipeline_trains_as_one_process(schedule):
+@pytest.mark.parametrize("schedule,gpus", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+def test_a_pipeline_trains_as_one_process(schedule, gpus):
     """Each stage keeps its parameters under the model's own names; together they are the whole model. Every
     micro-batch's loss is weighted by its share of the batch, as one process weights it, and each stage
-    runs the same ops on the same values in the same order: fp32, 1e-5 as for the data-parallel layouts."""
+    runs the same ops on the same values in the same order: fp32, 1e-5 as for the data-parallel layouts
+    (over FSDP2 ranks the gradients are averaged, where the order of the sums differs)."""
     from truth import on_gloo_ranks
 
     one_losses, one_weights = _train(Config(micro_batch=4, grad_accum=4))
-    cfg = Config(micro_batch=4, grad_accum=4, pp=2, pp_schedule=schedule)
-    results = on_gloo_ranks(2, lambda rank: _train(cfg))
+    cfg = Config(micro_batch=4, grad_accum=4 // gpus, pp=2, pp_schedule=schedule, gpus=gpus,
+                 data_parallel="fsdp" if gpus > 1 else "none")
+    results = on_gloo_ranks(cfg.world, lambda rank: _train(cfg))
     weights = {}
-    for losses, stage_weights in results:
-        assert losses == pytest.approx(one_losses, rel=1e-5)
+    for stage in range(cfg.pp):
+        stage_weights = results[stage * gpus][1]
         assert not set(weights) & set(stage_weights)  # no parameter on two stages
         weights.update(stage_weights)
+    for losses, _ in results:
+        assert losses == pytest.approx(one_losses, rel=1e-5)
     assert set(weights) == set(one_weights)
     for name, w in one_weights.items():
         torch.testing.assert_close(torch.from_numpy(weights[name]), torch.from_numpy(w), rtol=1e-5, atol=1e-5,

@@ -176,7 +176,9 @@ class Config:
                           (self.optimizer_in_backward, "optimizer_in_backward"),
                           (self.optimizer_8bit or self.base_4bit, "8-bit optimizer states and 4-bit bases"),
                           (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
-                          (self.gpus > 1, "data parallel beside it"),
+                          (self.gpus > 1 and (self.tp > 1 or self.data_parallel not in ("fsdp", "fsdp-no-reshard")),
+                           f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"
+                           if self.pp > 1 else "data parallel beside it"),
                           (self.pp > 1 and self.tp > 1, "pipeline and tensor parallel together")):
             if on:
                 raise ConfigError(f"{words} with {what} parallelism is not supported yet")

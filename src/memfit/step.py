@@ -44,10 +44,13 @@ class TrainStep:
             model = workload.model()
         if not isinstance(model, torch.nn.Module):
             raise WorkloadError(f"workload.model() returned {type(model).__name__}, not an nn.Module")
-        self.model = apply_model_strategies(model, config, self.device)
-        # a pipeline stage keeps its part of the model in place (strategies/pipeline_parallel.py)
-        self.pipeline = (Pipeline(self.model, workload.loss, config, self.device, torch.distributed.get_rank())
-                         if config.pp > 1 else None)
+        # a pipeline stage keeps its part of the model in place (strategies/pipeline_parallel.py), cut before
+        # the other strategies so that FSDP shards only what the stage holds
+        self.pipeline = Pipeline(model, workload.loss, config, self.device) if config.pp > 1 else None
+        self.model = apply_model_strategies(model, config, self.device,
+                                            blocks=self.pipeline.kept if self.pipeline else None)
+        if self.pipeline is not None:
+            self.pipeline.attach()
         self.activation_offload = ActivationOffload(self.model, self.device) if config.offload_activations else None
         self.optimizer_offload = None
         make_optimizer = (workload.optimizer if not config.optimizer_8bit else
@@ -109,11 +112,11 @@ class TrainStep:
             self.ungraded = [p for p in model.parameters() if p.requires_grad and p.grad is None]
         self._optimizer_step()
         self.phase = "idle"
-        if self.config.gpus > 1 and not self.tracing:  # the global batch's mean: every rank holds an equal share
-            torch.distributed.all_reduce(loss_sum)  # (gloo has no AVG)
+        if (self.config.gpus > 1 or self.pipeline is not None) and not self.tracing:
+            # the global batch's mean: every data-parallel rank holds an equal share, and in a pipeline only the
+            # last stage has a loss (the others add zero) (gloo has no AVG)
+            torch.distributed.all_reduce(loss_sum)
             loss_sum /= self.config.gpus
-        if self.pipeline is not None and not self.tracing:  # the last stage's loss, for every rank to report
-            torch.distributed.broadcast(loss_sum, src=self.config.pp - 1)
         return loss_sum
 
     def _pipeline_step(self, batch: Batch) -> torch.Tensor:

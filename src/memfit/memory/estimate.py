@@ -317,8 +317,8 @@ def _stage_traces(workload: Workload, config: Config, dev: Device, sizes: list[i
     traced as its own rank of a fake world, and the stage with the highest peak is the estimate (the one a
     budget must hold), every stage's figures in `stages`."""
     by_stage = []
-    for stage in range(config.pp):
-        with fake_process_group(config.world, rank=stage):
+    for stage in range(config.pp):  # the stage's first data-parallel rank (the mesh is stages x ranks)
+        with fake_process_group(config.world, rank=stage * config.gpus):
             by_stage.append(_rank_traces(workload, config, dev, True, sizes, routing_bound))
     out = []
     for probes in zip(*by_stage):

@@ -10,6 +10,7 @@ from memfit.runtime.noise import NoiseScale
 from memfit.step import TrainStep
 from memfit.strategies import ActivationOffload
 from memfit.strategies.activation_checkpoint import apply_checkpointing, chosen_blocks
+from memfit.strategies.data_parallel import data_parallel_rank
 from memfit.workload import Batch, Workload, split_batch
 
 
@@ -80,7 +81,8 @@ class Trainer:
         if (config.precision, config.offload_optimizer) != (old.precision, old.offload_optimizer):
             raise ConfigError("a running trainer cannot change precision or optimizer offload")
         if config.activation_checkpoint != old.activation_checkpoint:
-            names = chosen_blocks(self.engine.model, config.activation_checkpoint)
+            stage = self.engine.pipeline
+            names = chosen_blocks(self.engine.model, config.activation_checkpoint, stage.kept if stage else None)
             apply_checkpointing(self.engine.model, names, selective=config.activation_checkpoint)
         if config.offload_activations != old.offload_activations:
             self.engine.activation_offload = (ActivationOffload(self.engine.model, self.engine.device)
@@ -107,7 +109,7 @@ class Trainer:
                 batch = self.workload.batch(self.global_batch)
         if self.config.gpus == 1:
             return batch
-        return split_batch(batch, self.global_batch // self.config.gpus)[torch.distributed.get_rank()]
+        return split_batch(batch, self.global_batch // self.config.gpus)[data_parallel_rank(self.config)]
 
     def step(self, batch: Batch | None = None) -> float:
         batch = self.batch() if batch is None else batch

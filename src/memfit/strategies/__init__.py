@@ -29,19 +29,21 @@ __all__ = ["ActivationOffload", "OptimizerInBackward", "OptimizerOffload", "appl
            "on_host_side", "op_policy", "paged"]
 
 
-def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
+def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch.device,
+                           blocks: list[str] | None = None) -> torch.nn.Module:
     """The fixed order: 1. 4-bit base weights, 2. precision of the weights, 3. tensor parallelism (torchtitan splits
     before it checkpoints and shards; cast after splitting, a bf16-pure embedding kept fp32 state beside a bf16
     gradient and AdamW refused it on real ranks), 4. activation checkpointing of repeated blocks (memfit's, and the model's
     own made to replay as memfit's does), 5. data parallelism. Everything that can fail is resolved first, so a
     bad configuration leaves the model untouched."""
-    blocks = chosen_blocks(model, config.activation_checkpoint)
+    units = blocks  # a pipeline stage's own blocks, named for it (strategies/pipeline_parallel.py)
+    blocks = chosen_blocks(model, config.activation_checkpoint, units)
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
     model = apply_tensor_parallel(model, config, device)
     model = apply_checkpointing(replay_model_checkpointing(model), blocks,
                                 selective=config.activation_checkpoint)
-    model = apply_data_parallel(model, config, device)
+    model = apply_data_parallel(model, config, device, units)
     keep_tensors_on_unchanged_conversion(model)  # a fake model's `.to()` in its forward
     return model

@@ -64,8 +64,9 @@ def find_blocks(model: torch.nn.Module) -> list[str]:
     return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
-def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
-    """Resolve Config.activation_checkpoint to module names, or raise ConfigError naming what is wrong."""
+def chosen_blocks(model: torch.nn.Module, spec, blocks: list[str] | None = None) -> list[str]:
+    """Resolve Config.activation_checkpoint to module names, or raise ConfigError naming what is wrong.
+    `blocks`: the repeated blocks when the caller knows them (a pipeline stage may hold only one)."""
     if spec == "none":
         return []
     if isinstance(spec, tuple):
@@ -75,7 +76,7 @@ def chosen_blocks(model: torch.nn.Module, spec) -> list[str]:
             hint = ", ".join(find_blocks(model)[:6]) or "none found"
             raise ConfigError(f"activation checkpointing: no module named {', '.join(map(repr, missing))} (repeated blocks: {hint})")
         return list(spec)
-    blocks = find_blocks(model)
+    blocks = find_blocks(model) if blocks is None else blocks
     if not blocks:
         raise ConfigError("activation checkpointing: found no repeated blocks in this model; name modules explicitly")
     if spec == "all" or spec in SELECTIVE:

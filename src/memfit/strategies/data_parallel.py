@@ -37,33 +37,42 @@ from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.torch_internals import ddp_bucket_assignment, replicate, unset_fake_temporarily
 
-__all__ = ["apply_data_parallel", "data_parallel_buffers", "device_mesh"]
+__all__ = ["apply_data_parallel", "data_parallel_buffers", "data_parallel_rank", "device_mesh"]
 
 BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 _TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, TracedReducer]" = weakref.WeakKeyDictionary()
 
 
 def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
-    """The mesh of the default process group: 1-D for fsdp, (nodes, GPUs per node) for hsdp. Made on real
-    tensors even inside a fake trace (it reads the ranks' numbers)."""
+    """The mesh of the default process group: 1-D for fsdp, (nodes, GPUs per node) for hsdp, (stages, ranks
+    of a stage) for a pipeline over data-parallel ranks (torchtitan's order: the pipeline outermost). Made on
+    real tensors even inside a fake trace (it reads the ranks' numbers)."""
     _check_world(config)
     shape = ((config.gpus // config.gpus_per_node, config.gpus_per_node) if config.data_parallel == "hsdp"
-             else (config.gpus,))
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+             else (config.pp, config.gpus) if config.pp > 1 else (config.gpus,))
+    names = (("pp", "shard") if config.pp > 1 else ("replicate", "shard")) if len(shape) == 2 else ("shard",)
     with unset_fake_temporarily():
         return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def _check_world(config: Config) -> None:
-    if not dist.is_initialized() or dist.get_world_size() != config.gpus:
+    if not dist.is_initialized() or dist.get_world_size() != config.world:
         have = dist.get_world_size() if dist.is_initialized() else "no"
-        raise ConfigError(f"data_parallel={config.data_parallel!r} over {config.gpus} GPUs needs a process group "
-                          f"of {config.gpus} ranks ({have} here): launch with torchrun or `memfit train --gpus`")
+        raise ConfigError(f"data_parallel={config.data_parallel!r} over {config.world} GPUs needs a process group "
+                          f"of {config.world} ranks ({have} here): launch with torchrun or `memfit train --gpus`")
 
 
-def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
+def data_parallel_rank(config: Config) -> int:
+    """Which share of the global batch this rank trains on: its place among the data-parallel ranks (the
+    mesh is pipeline x data parallel x tensor parallel, outermost first)."""
+    return (dist.get_rank() // config.tp) % config.gpus
+
+
+def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.device,
+                        blocks: list[str] | None = None) -> torch.nn.Module:
     """Shard or replicate `model` in place for config's layout (after precision and checkpointing, as
-    torchtitan orders them); a model unchanged for one GPU."""
+    torchtitan orders them); a model unchanged for one GPU. `blocks`: the units, when the caller knows them
+    (a pipeline stage's own blocks)."""
     if config.data_parallel == "none":
         return model
     if config.data_parallel == "ddp":
@@ -74,12 +83,14 @@ def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.de
             replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_BYTES / 2**20)
         return model
     mesh = device_mesh(config, device)
+    if config.pp > 1:  # each stage's ranks shard its part
+        mesh = mesh["shard"]
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported when used: ~0.6 s
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if config.precision == "bf16" else MixedPrecisionPolicy())
     modules = dict(model.named_modules())
-    blocks = find_blocks(model)
+    blocks = find_blocks(model) if blocks is None else blocks
     keep = config.data_parallel == "fsdp-no-reshard"
     for i, name in enumerate(blocks):
         fully_shard(modules[name], mesh=mesh, mp_policy=policy,

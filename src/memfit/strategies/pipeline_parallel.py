@@ -28,6 +28,7 @@ import torch.distributed as dist
 from memfit.config import Config
 from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
+from memfit.strategies.data_parallel import device_mesh
 from memfit.torch_internals import p2p_works_hold_tensors, static_pipeline_metadata
 
 __all__ = ["Pipeline", "stage_blocks"]
@@ -117,8 +118,14 @@ class Pipeline:
     `model` is the whole model, built identically on every rank (same seed), with memfit's other strategies
     applied; the stage keeps its part in place. `module` is what the optimizer and the step see."""
 
-    def __init__(self, model: torch.nn.Module, loss, config: Config, device: torch.device, stage: int):
-        self.config, self.device, self.stage = config, device, stage
+    def __init__(self, model: torch.nn.Module, loss, config: Config, device: torch.device):
+        self.config, self.device = config, device
+        if config.gpus > 1:  # stages of data-parallel ranks: this rank's coordinate on the mesh's pipeline axis
+            axis = device_mesh(config, device)["pp"]
+            self.stage, self.group = axis.get_local_rank(), axis.get_group()
+        else:
+            self.stage, self.group = dist.get_rank(), None
+        stage = self.stage
         self.first, self.last = stage == 0, stage == config.pp - 1
         self.names = find_blocks(model)
         if not self.names:
@@ -164,6 +171,11 @@ class Pipeline:
                 return f"block {i}"
         return module_name
 
+    @property
+    def kept(self) -> list[str]:
+        """The names of this stage's own blocks."""
+        return [self.names[i] for i in self.blocks]
+
     def _cut(self, model: torch.nn.Module) -> None:
         modules = dict(model.named_modules())
         before, after = self._parts(model)
@@ -177,10 +189,19 @@ class Pipeline:
                     raise ConfigError(f"pipeline parallelism: {name} ({type(mod).__name__}) runs before the first "
                                       "block and is not an embedding: not split yet")
                 _replace(model, name, _EmbeddingStandIn(mod.embedding_dim, mod.weight.dtype))
-            modules[self.names[self.blocks.start]].register_forward_pre_hook(self._receive, with_kwargs=True)
         if not self.last:
             for name in after:
                 _replace(model, name, _Elsewhere(name))
+
+    def attach(self) -> None:
+        """Hook the stage's ends, once the other strategies are applied: the received hidden state goes in
+        before FSDP's own pre-forward (which casts it and hooks its gradient), and the handoff comes after FSDP's
+        post-forward (which reshards and registers the unit's backward)."""
+        modules = dict(self.module.model.named_modules())
+        if not self.first:
+            modules[self.names[self.blocks.start]].register_forward_pre_hook(self._receive, with_kwargs=True,
+                                                                               prepend=True)
+        if not self.last:
             modules[self.names[self.blocks.stop - 1]].register_forward_hook(_hand_off)
 
     def _receive(self, module, args, kwargs):
@@ -207,7 +228,8 @@ class Pipeline:
             loss_meta = torch.empty(1, device=self.device, requires_grad=True)
             self.engine = PipelineStage(
                 self.module, self.stage, self.config.pp, self.device,
-                input_args=() if self.first else (handoff,), output_args=(loss_meta if self.last else handoff,))
+                input_args=() if self.first else (handoff,), output_args=(loss_meta if self.last else handoff,),
+                group=self.group)
             kind = ScheduleGPipe if self.config.pp_schedule == "gpipe" else Schedule1F1B
             self.schedule = kind(self.engine, n_microbatches=n, loss_fn=_weighted_loss, scale_grads=False)
             if dist.get_backend() == "fake":
@@ -253,7 +275,7 @@ class Pipeline:
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The gradients' L2 norm over every stage, from this stage's."""
         squared = norm.float() ** 2
-        dist.all_reduce(squared)
+        dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
 
 
