@@ -331,6 +331,22 @@ def test_bitsandbytes_8bit_states_are_laid_out_as_under_trainer(tmp_path):
         assert est.phase_peaks["optimizer"] < est.peak_bytes
 
 
+def test_fit_with_bitsandbytes_8bit_returns_arguments_whose_estimate_is_the_plans(tmp_path):
+    """A plan for adamw_bnb_8bit keeps bitsandbytes' layout in every estimate it makes (not memfit's own 8-bit
+    states, which its Config's `optimizer_8bit` would otherwise select), so the arguments it returns estimate
+    to its figure exactly; a plan that switched AdamW to 8 bits (`allow=("8bit-optim",)`) returns that optim."""
+    from memfit.integrations.transformers import _arguments
+
+    make, _ = _maker("llama")
+    user = _args(tmp_path, optim="adamw_bnb_8bit", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    args, plan = fit_training_args(make(), user, seq_len=SEQ, device="h100", budget="600MiB")
+    assert plan.config.optimizer_8bit and args.optim == "adamw_bnb_8bit"
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
+    assert estimate_training_args(make(), args, seq_len=SEQ, device="h100").device_peak_bytes == plan.peak_bytes
+    switched = _arguments(Config(micro_batch=4, grad_accum=2, optimizer_8bit=True), _args(tmp_path))
+    assert switched["optim"] == "adamw_bnb_8bit" and switched["per_device_train_batch_size"] == 4
+
+
 def test_what_8bit_optimizers_trainer_runs_unmodelled_is_refused_in_one_line(tmp_path):
     make, _ = _maker("llama")
     cases = [(_args(tmp_path, optim="paged_adamw_8bit"), "h100", (), "CUDA unified memory"),

@@ -15,6 +15,10 @@ head (`add_fused_lm_head`: per-token log-probabilities, entropy and top-1 in voc
 never made) and its collator's rows carry an attention mask. On a GPU that head runs Triton kernels and scores
 only the labelled positions, which memfit does not trace (it traces TRL's torch path, the CPU's): a GPU target
 is refused for SFTConfig.
+
+Trainer's FSDP2 (`args.fsdp`, `fsdp_config` version 2) is traced on rank 0 of a fake world with Accelerate's own
+sharding (`Sharding`); bitsandbytes' 8-bit AdamW with its own state layout (`BitsAndBytesAdamW`). What either
+does that memfit does not trace is refused in one line (`not_modelled`, `_check_target`).
 """
 from __future__ import annotations
 
@@ -481,14 +485,16 @@ def config_of(args, gpus: int | None = None) -> Config:
     transformers' checkpointing lives in the model (`trainer_workload`), so the Config has none of its own.
     Under FSDP it carries the ranks and memfit's nearest layout (`Sharding`); `traced` is what is estimated."""
     config = Config(micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                    precision=_precision_of(args))
+                    precision=_precision_of(args), optimizer_8bit=_optim_name(args) in BNB_8BIT)
     sharding = _sharding(args, gpus)
     return config if sharding is None else config.replace(gpus=sharding.world, data_parallel=sharding.layout)
 
 
 def traced(config: Config) -> Config:
-    """The one-rank Config a Trainer step is traced with: under FSDP, Accelerate's sharding and mixed-precision
+    """The one-rank Config a Trainer step is traced with: bitsandbytes' 8-bit states are the workload's optimizer
+    (`BitsAndBytesAdamW`), not memfit's `optimizer_8bit`; under FSDP, Accelerate's sharding and mixed-precision
     policy are in the workload (`Sharding`), and memfit adds neither its own layout nor autocast."""
+    config = config.replace(optimizer_8bit=False)
     return config if config.gpus == 1 else config.replace(gpus=1, data_parallel="none", precision="fp32")
 
 
