@@ -65,7 +65,9 @@ class Config:
             forward, then every backward: a stage holds all ``grad_accum`` micro-batches' activations) or
             ``"1f1b"`` (one forward, one backward once the pipeline is full: at most ``pp - stage`` held).
         tp: tensor-parallel ranks: each block's attention and MLP matmuls split over ``tp`` ranks
-            (DTensor's ``parallelize_module``).
+            (DTensor's ``parallelize_module``). Beside ``fsdp`` or ``fsdp-no-reshard`` the ranks form a 2-D mesh,
+            ``gpus`` x ``tp`` (torchtitan's layout: TP inside a group of ``tp`` neighbouring ranks, FSDP2 across
+            the groups); the ``tp`` ranks of a group train on the same rows.
 
     Example::
 
@@ -176,9 +178,8 @@ class Config:
                           (self.optimizer_in_backward, "optimizer_in_backward"),
                           (self.optimizer_8bit or self.base_4bit, "8-bit optimizer states and 4-bit bases"),
                           (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
-                          (self.gpus > 1 and (self.tp > 1 or self.data_parallel not in ("fsdp", "fsdp-no-reshard")),
-                           f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"
-                           if self.pp > 1 else "data parallel beside it"),
+                          (self.gpus > 1 and self.data_parallel not in ("fsdp", "fsdp-no-reshard"),
+                           f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"),
                           (self.pp > 1 and self.tp > 1, "pipeline and tensor parallel together")):
             if on:
                 raise ConfigError(f"{words} with {what} parallelism is not supported yet")

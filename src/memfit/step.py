@@ -114,9 +114,10 @@ class TrainStep:
         self.phase = "idle"
         if (self.config.gpus > 1 or self.pipeline is not None) and not self.tracing:
             # the global batch's mean: every data-parallel rank holds an equal share, and in a pipeline only the
-            # last stage has a loss (the others add zero) (gloo has no AVG)
+            # last stage has a loss (the others add zero), and the tp ranks of a group hold the same one (gloo has
+            # no AVG)
             torch.distributed.all_reduce(loss_sum)
-            loss_sum /= self.config.gpus
+            loss_sum /= self.config.gpus * self.config.tp
         return loss_sum
 
     def _pipeline_step(self, batch: Batch) -> torch.Tensor:

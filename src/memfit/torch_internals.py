@@ -29,7 +29,8 @@ __all__ = ["ACCUMULATE_GRAD", "answer_device_query", "autocast_disabled", "autoc
            "FAKE_TENSOR_LOGGER", "FakeTensor", "FakeTensorMode", "fast_cache_keys", "fast_cache_entries",
            "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again",
            "grad_scaler_tensors", "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion",
-           "make_op_outputs_swappable", "memory_history", "memory_snapshot", "memory_viz", "profiler_allocations",
+           "make_op_outputs_swappable", "mesh_concatenation_on_real_tensors", "memory_history", "memory_snapshot",
+           "memory_viz", "profiler_allocations",
            "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
            "stand_ins_for_rng_state_copies", "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode",
            "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily", "WAIT_TENSOR"]
@@ -149,6 +150,26 @@ def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
         return [t._indices(), t._values()]
     names = _COMPRESSED_INDICES.get(t.layout)
     return [t] if names is None else [getattr(t, name)() for name in names] + [t.values()]
+
+
+@contextlib.contextmanager
+def mesh_concatenation_on_real_tensors():
+    """FSDP2 joins its data-parallel mesh to a TP parameter's mesh with the private `DeviceMesh._concatenate`,
+    which finds this rank's coordinates with `nonzero` on a new mesh tensor: inside a fake trace that tensor
+    is fake and `nonzero` has no static shape. The ranks' numbers are real, so the join runs outside it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__dict__["_concatenate"]
+
+    def concatenate(meshes):
+        with unset_fake_temporarily():
+            return original.__func__(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
 
 
 @contextlib.contextmanager

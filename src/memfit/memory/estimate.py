@@ -104,6 +104,8 @@ class Probe:
     """One traced step as the planner reads it: the memory figures and the ops the step-time model prices."""
     estimate: Estimate
     ops: OpTrace
+    stage_ops: list | None = None  # a pipeline: every stage's ops, stage 0 first (`ops` is the highest peak's)
+    handoff_bytes: int = 0         # a pipeline: the hidden state a stage sends on for one micro-batch
 
     @property
     def micro_batch(self) -> int:
@@ -324,6 +326,7 @@ def _stage_traces(workload: Workload, config: Config, dev: Device, sizes: list[i
     for probes in zip(*by_stage):
         worst = max(probes, key=_peak_of)
         worst.estimate.stages = [_stage_figures(s, p.estimate) for s, p in enumerate(probes)]
+        worst.stage_ops = [p.ops for p in probes]
         worst.estimate.notes.append(f"pipeline of {config.pp} stages ({config.pp_schedule}): the figures are stage "
                                     f"{probes.index(worst)}'s, the highest peak; every stage's in `stages`")
         out.append(worst)
@@ -385,6 +388,8 @@ def _rank_traces(workload: Workload, config: Config, dev: Device, fake: bool, si
             p = _measure(workload, step, dev, mode, draw(size), list(notes))
             if i == 0 and step.pipeline is not None:  # the first step made the engine's buffers
                 p = _measure(workload, step, dev, mode, draw(size), list(notes))
+            if step.pipeline is not None:
+                p.handoff_bytes = step.pipeline.handoff_bytes
             if i == 0 and step.ungraded:  # traced again in the steady state a real run reaches
                 notes.append(_drop_ungraded_state(step))
                 p = _measure(workload, step, dev, mode, draw(size), list(notes))
@@ -416,7 +421,8 @@ def _step_notes(workload: Workload, step: TrainStep, config: Config, cuda_target
         how = ("DDP: whole model, gradients in DDP's all-reduced buckets (gradient_as_bucket_view), "
                "modelled as DDP's reducer fills them" if config.data_parallel == "ddp" else
                f"{config.data_parallel}, FSDP2 fully_shard of each repeated block and the root")
-        notes.append(f"per rank: rank 0 of {config.gpus} ({how}), traced with a fake process group" +
+        of = f"{config.gpus} data-parallel groups of {config.tp} TP ranks" if config.tp > 1 else config.gpus
+        notes.append(f"per rank: rank 0 of {of} ({how}), traced with a fake process group" +
                      ("; bf16 is FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and reduction)"
                       if config.precision == "bf16" and config.fsdp else ""))
         if cuda_target and config.fsdp:

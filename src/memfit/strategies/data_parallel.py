@@ -35,31 +35,51 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from memfit.config import Config
 from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.torch_internals import ddp_bucket_assignment, replicate, unset_fake_temporarily
+from memfit.torch_internals import (ddp_bucket_assignment, mesh_concatenation_on_real_tensors, replicate,
+                                    unset_fake_temporarily)
 
-__all__ = ["apply_data_parallel", "data_parallel_buffers", "data_parallel_rank", "device_mesh"]
+__all__ = ["apply_data_parallel", "data_parallel_buffers", "data_parallel_rank", "device_mesh", "mesh_axis"]
 
 BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 _TRACED: "weakref.WeakKeyDictionary[torch.nn.Module, TracedReducer]" = weakref.WeakKeyDictionary()
 
 
+_MESH: list = []  # the last mesh built: [(default group, dims, device type), mesh]
+
+
 def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
-    """The mesh of the default process group: 1-D for fsdp, (nodes, GPUs per node) for hsdp, (stages, ranks
-    of a stage) for a pipeline over data-parallel ranks (torchtitan's order: the pipeline outermost). Made on
-    real tensors even inside a fake trace (it reads the ranks' numbers)."""
+    """The mesh of the default process group, outermost first as torchtitan orders it: ("pp") x ("shard", or
+    "replicate" x "shard" for hsdp) x ("tp"), each axis present when it has more than one rank. Built once per
+    process group and shared: FSDP2 refuses TP parameters whose mesh has another root than its own, and a
+    second build would make new sub-groups. Made on real tensors even inside a fake trace (it reads the
+    ranks' numbers)."""
     _check_world(config)
-    shape = ((config.gpus // config.gpus_per_node, config.gpus_per_node) if config.data_parallel == "hsdp"
-             else (config.pp, config.gpus) if config.pp > 1 else (config.gpus,))
-    names = (("pp", "shard") if config.pp > 1 else ("replicate", "shard")) if len(shape) == 2 else ("shard",)
+    dims = [("pp", config.pp)] if config.pp > 1 else []
+    if config.data_parallel == "hsdp":
+        dims += [("replicate", config.gpus // config.gpus_per_node), ("shard", config.gpus_per_node)]
+    elif config.gpus > 1:
+        dims.append(("shard", config.gpus))
+    dims += [("tp", config.tp)] if config.tp > 1 else []
+    key = (dist.group.WORLD, tuple(dims), device.type)
+    if _MESH and _MESH[0][0] is key[0] and _MESH[0][1:] == key[1:]:
+        return _MESH[1]
     with unset_fake_temporarily():
-        return init_device_mesh(device.type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
+    _MESH[:] = [key, mesh]  # holds the group, so its id cannot be reused by a later one
+    return mesh
+
+
+def mesh_axis(config: Config, device: torch.device, name: str) -> DeviceMesh:
+    """One axis of `device_mesh` ("pp", "shard", "tp"), as the 1-D mesh its strategy runs on."""
+    mesh = device_mesh(config, device)
+    return mesh if mesh.ndim == 1 else mesh[name]
 
 
 def _check_world(config: Config) -> None:
     if not dist.is_initialized() or dist.get_world_size() != config.world:
         have = dist.get_world_size() if dist.is_initialized() else "no"
-        raise ConfigError(f"data_parallel={config.data_parallel!r} over {config.world} GPUs needs a process group "
-                          f"of {config.world} ranks ({have} here): launch with torchrun or `memfit train --gpus`")
+        raise ConfigError(f"{config.describe()} needs a process group of {config.world} ranks ({have} here): launch "
+                          f"with torchrun or `memfit train --gpus {config.world}`")
 
 
 def data_parallel_rank(config: Config) -> int:
@@ -82,9 +102,8 @@ def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.de
         else:
             replicate(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_BYTES / 2**20)
         return model
-    mesh = device_mesh(config, device)
-    if config.pp > 1:  # each stage's ranks shard its part
-        mesh = mesh["shard"]
+    # a stage's ranks shard its part; TP's groups are sharded across (torchtitan's 2-D layout)
+    mesh = mesh_axis(config, device, "shard") if config.pp > 1 or config.tp > 1 else device_mesh(config, device)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imported when used: ~0.6 s
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -92,10 +111,11 @@ def apply_data_parallel(model: torch.nn.Module, config: Config, device: torch.de
     modules = dict(model.named_modules())
     blocks = find_blocks(model) if blocks is None else blocks
     keep = config.data_parallel == "fsdp-no-reshard"
-    for i, name in enumerate(blocks):
-        fully_shard(modules[name], mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=not keep and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    with mesh_concatenation_on_real_tensors():  # TP's DTensor parameters: FSDP2 joins the two axes
+        for i, name in enumerate(blocks):
+            fully_shard(modules[name], mesh=mesh, mp_policy=policy,
+                        reshard_after_forward=not keep and i < len(blocks) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
 
 

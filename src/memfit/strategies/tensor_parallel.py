@@ -32,12 +32,11 @@ import textwrap
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from memfit.config import Config
 from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
-from memfit.torch_internals import unset_fake_temporarily
 
 __all__ = ["GPT_PLAN", "apply_tensor_parallel", "tensor_parallel_plan"]
 
@@ -67,13 +66,15 @@ def apply_tensor_parallel(model: torch.nn.Module, config: Config, device: torch.
 
 
 def _mesh(config: Config, device: torch.device) -> DeviceMesh:
-    """The tp ranks' 1-D mesh, made on real tensors even inside a fake trace (it reads the ranks' numbers)."""
+    """The tp axis of the run's mesh (data_parallel.device_mesh): the 1-D mesh of the tp ranks alone, or the
+    inner axis of (shard, tp) beside FSDP2, built once so FSDP2 sees TP's parameters on its own mesh's root."""
+    from memfit.strategies.data_parallel import mesh_axis
+
     if not dist.is_initialized() or dist.get_world_size() != config.world:
         have = dist.get_world_size() if dist.is_initialized() else "no"
         raise ConfigError(f"tensor parallel over {config.tp} ranks needs a process group of {config.world} ranks "
                           f"({have} here): launch with torchrun or `memfit train --gpus {config.world} --tp {config.tp}`")
-    with unset_fake_temporarily():
-        return init_device_mesh(device.type, (config.tp,), mesh_dim_names=("tp",))
+    return mesh_axis(config, device, "tp")
 
 
 def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
