@@ -50,9 +50,9 @@ _MESH: list = []  # the last mesh built: [(default group, dims, device type), me
 def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
     """The mesh of the default process group, outermost first as torchtitan orders it: ("pp") x ("shard", or
     "replicate" x "shard" for hsdp) x ("tp"), each axis present when it has more than one rank. Built once per
-    process group and shared: FSDP2 refuses TP parameters whose mesh has another root than its own, and a
-    second build would make new sub-groups. Made on real tensors even inside a fake trace (it reads the
-    ranks' numbers)."""
+    process group and shared by the strategies (a pipeline's stages, TP, FSDP2): each build makes new
+    sub-groups, a collective on every rank, and FSDP2 joins its axis to a TP parameter's as axes of one mesh.
+    Made on real tensors even inside a fake trace (it reads the ranks' numbers)."""
     _check_world(config)
     dims = [("pp", config.pp)] if config.pp > 1 else []
     if config.data_parallel == "hsdp":
