@@ -101,13 +101,17 @@ def fit_rows(fits, folder) -> list[dict]:
 
 def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) -> list[int]:
     """Trainer's own FSDP2 `train()` with the arguments `kw` (and `fsdp=True`) on `world` real CPU ranks (forked,
-    gloo): each rank's lowest peak over its steady steps (the second on), by the CPU allocator's running total
-    inside each step (a callback's `record_function` marks them). Accelerate shards with FSDP only on
-    accelerators and trains CPU processes with DDP, so the distributed type is set to FSDP once Trainer has
-    built its Accelerator (the plugin made from the arguments, its mixed precision set as AcceleratorState
-    sets it); everything after, `accelerator.prepare` and the step, is Trainer's and Accelerate's own code. On
-    CPU ranks Trainer copies each micro-batch to the device 'cpu:0' (the same memory, another device index),
-    which a GPU run does not."""
+    gloo): each rank's lowest peak over its steady steps (the second on, marked by a callback's
+    `record_function`). Two running totals bound a rank's own memory from above, and the lower of them at each
+    allocation is taken: the CPU allocator's, which also counts the buffers gloo's thread allocates inside its
+    collectives (NCCL works in the collectives' outputs, so a GPU rank has none), and the bytes the training
+    thread allocated and has not freed, which keeps a tensor gloo's thread freed (unseen by the profiler, which
+    records this thread) until its block is allocated again.
+    Accelerate shards with FSDP only on accelerators and trains CPU processes with DDP, so the distributed type
+    is set to FSDP once Trainer has built its Accelerator (the plugin made from the arguments, its mixed
+    precision set as AcceleratorState sets it); everything after, `accelerator.prepare` and the step, is
+    Trainer's and Accelerate's own code. On CPU ranks Trainer copies each micro-batch to the device 'cpu:0' (the
+    same memory, another device index), which a GPU run does not."""
     import copy
     import gc
     import os
@@ -156,24 +160,35 @@ def fsdp_rank_peaks(make_model, kw: dict, dataset, folder: str, world: int = 2) 
             raise RuntimeError(f"Trainer did not shard the model with FSDP2: {type(trainer.model).__name__}")
         windows, events = profiler_allocations(prof, "memfit.truth.step")
         base = events[0][2] - events[0][1]
-        peaks = [max(total - base for t, _, total, _, _ in events if start <= t <= end) for start, end in windows]
+        running, held, live = [], {}, 0  # what this thread allocated under the profile and has not freed
+        for t, size, total, _, ptr in events:
+            if size > 0:
+                live += size - held.get(ptr, 0)  # a block allocated again was freed, on another thread
+                held[ptr] = size
+            elif ptr in held:
+                live -= held.pop(ptr)
+            running.append((t, min(total - base, live)))
+        peaks = [max(n for t, n in running if start <= t <= end) for start, end in windows]
         return min(peaks[1:])
 
     return on_gloo_ranks(world, rank_main)
 
 
+SYNC_EACH_BATCH = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}  # memfit's step reduces each micro-batch
 FSDP_CASES = [dict(per_device_train_batch_size=4),
               dict(per_device_train_batch_size=4, bf16=True),
               dict(per_device_train_batch_size=4, bf16=True,
                    fsdp_config={"version": 2, "reshard_after_forward": False}),
               dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, bf16=True,
-                   activation_checkpointing=True)]
-RACE_RUNS = 3  # gloo's worker thread may still hold a finished collective's buffers: the lowest of a few runs
+                   activation_checkpointing=True, accelerator_config=SYNC_EACH_BATCH),
+              dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, accelerator_config=SYNC_EACH_BATCH)]
+RACE_RUNS = 6  # gloo's worker thread may still hold a finished collective's buffers: the lowest of a few runs
 
 
 def fsdp_rows(cases, folder) -> list[dict]:
     """Trainer's FSDP2 on 2 gloo ranks against memfit's trace of rank 0 (Accelerate's own sharding on a fake
-    world), the Llama above; a rank peak is the lowest over up to RACE_RUNS runs."""
+    world), the Llama above; each rank's peak is its lowest over RACE_RUNS runs, and the difference is taken
+    to the lower rank (the ranks hold equal shards)."""
     from memfit.integrations.transformers import _with_loader, config_of, trainer_workload
     from memfit.memory.devices import get_device
 
@@ -186,6 +201,7 @@ def fsdp_rows(cases, folder) -> list[dict]:
     rows = []
     for kw in cases:
         kw = {"fsdp_config": {"version": 2}, **kw}
+        asked = json.loads(json.dumps(kw))  # TrainingArguments rewrites fsdp_config in place
         args = _args(folder, fsdp=True, **kw)
         t = time.perf_counter()
         # Trainer runs DDP on a CPU (estimate_training_args refuses it): the CPU trace of the FSDP2 step itself
@@ -195,9 +211,9 @@ def fsdp_rows(cases, folder) -> list[dict]:
         peaks = fsdp_rank_peaks(make, kw, data, folder)
         for _ in range(RACE_RUNS - 1):
             peaks = [min(a, b) for a, b in zip(peaks, fsdp_rank_peaks(make, kw, data, folder))]
-        rows.append(dict(model="Llama", args=kw, layout=config_of(args, 2).data_parallel, predicted=est.peak_bytes,
-                         rank_peaks=peaks, diff_bytes=est.peak_bytes - peaks[0], phase=est.peak_phase,
-                         estimate_seconds=seconds))
+        rows.append(dict(model="Llama", args=asked, layout=config_of(args, 2).data_parallel, predicted=est.peak_bytes,
+                         rank_peaks=peaks, diff_bytes=est.peak_bytes - min(peaks), phase=est.peak_phase,
+                         copy_bytes=2 * kw["per_device_train_batch_size"] * SEQ * 8, estimate_seconds=seconds))
         print(rows[-1], flush=True)
     return rows
 

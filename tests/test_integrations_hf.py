@@ -268,9 +268,9 @@ def test_fsdp_estimate_is_trainers_own_fsdp2_step_on_two_gloo_ranks(tmp_path):
     uses only on accelerators: benchmarks/integrations.py) against memfit's CPU trace of rank 0, bf16 with
     transformers' checkpointing and accumulation (reduced after each micro-batch: `sync_each_batch`). A rank
     peaks above the prediction by at most one micro-batch (the copy CPU ranks make to the device 'cpu:0') and
-    Trainer's 0-d tensors, never below it. gloo's thread may still hold a finished collective's tensors (up to
-    900 KB seen, on one rank or the other): the ranks hold equal shards, so the lowest rank peak of up to 3 runs
-    is compared, as tests/test_data_parallel.py does."""
+    Trainer's 0-d tensors, never below it. gloo may still hold a finished collective's input (up to 900 KB seen,
+    on one rank or the other): the ranks hold equal shards, so the lowest rank peak of up to 3 runs is compared,
+    as tests/test_data_parallel.py does."""
     from integrations import fsdp_rank_peaks
 
     from memfit.integrations.transformers import _with_loader, trainer_workload

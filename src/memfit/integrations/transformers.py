@@ -321,9 +321,9 @@ class Sharding:
 
     Those are not memfit's `fsdp` layout (strategies/data_parallel.py): every transformer layer
     (`transformer_layer_cls_to_wrap`, else the model's `_no_split_modules`) is a unit resharded after its
-    forward as `reshard_after_forward` says, the last one too; the input embedding is a unit of its own (with
-    the output head where they are tied); the final norm and the output head are one unit kept gathered from
-    forward to backward; the root takes the rest. bf16 is `MixedPrecisionPolicy(param_dtype=bf16,
+    forward as `reshard_after_forward` says, the last one too; the input embedding is a unit of its own; the
+    final norm and the output head (and the embedding, where its weight is the head's) are one unit kept
+    gathered from forward to backward; the root takes the rest. bf16 is `MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=bf16)` with fp32 master weights (Accelerate upcasts them) and no autocast (Accelerate wraps
     the forward in autocast only outside FSDP2). A Config that describes it (`config_of`) has memfit's
     nearest layout, `fsdp` or `fsdp-no-reshard`, and is estimated only through this module.
@@ -350,8 +350,8 @@ class Sharding:
 
     def apply(self, m: torch.nn.Module, precision: str) -> torch.nn.Module:
         """`m` sharded as `Accelerator.prepare` shards it for Trainer (`fsdp2_prepare_model`), on rank 0's 1-D
-        mesh over the current process group. `cpu_ram_efficient_loading` changes how the weights arrive (rank 0 loads,
-        then broadcasts), not the step's tensors: the trace builds every rank's model as the others do."""
+        mesh over the current process group. `cpu_ram_efficient_loading` changes how the weights arrive (rank 0
+        loads, then broadcasts), not the step's tensors: the trace builds every rank's model as the others do."""
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         from memfit.strategies.data_parallel import device_mesh
@@ -398,7 +398,6 @@ def _fsdp_not_modelled(args, gpus: int | None) -> str | None:
                 "them)")
     if args.fp16:
         return "fsdp with fp16 (FSDP2's sharded gradient scaler): use bf16"
-
     if _is_sft(args):
         return "fsdp with an SFTConfig (TRL's fused LM head under FSDP2 is not checked)"
     if getattr(args, "parallelism_config", None) is not None:
@@ -412,7 +411,7 @@ def _fsdp_not_modelled(args, gpus: int | None) -> str | None:
 
     if plugin.activation_checkpointing:
         return ("fsdp_config activation_checkpointing (Accelerate's checkpoint_wrapper around each unit: memfit's "
-                "trace of it was 3% above real ranks): use activation_checkpointing=True, transformers' own")
+                "trace of it was 2% above real ranks): use activation_checkpointing=True, transformers' own")
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         return "fsdp_config cpu_offload / fsdp 'offload' (FSDP2's CPUOffloadPolicy keeps the shards in host memory)"
     if plugin.ignored_modules is not None:
@@ -662,6 +661,9 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
             except PlanError as e:
                 errors.append(e)
                 continue
+            if sharding is not None:
+                found.notes.append(f"Trainer's FSDP2 over {sharding.world} ranks: the step time is rank 0's compute, "
+                                   "its all-gathers and reduce-scatters left out")
             plans.append(dataclasses.replace(
                 found, config=as_run(found.config, precision, optim),
                 alternatives=[dataclasses.replace(c, config=as_run(c.config, precision, optim),
