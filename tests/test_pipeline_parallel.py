@@ -152,3 +152,139 @@ def test_what_a_pipeline_cannot_split_is_refused_in_one_line():
         Config(pp=2)
     with pytest.raises(ConfigError, match="not supported yet"):
         Config(pp=2, grad_accum=2, offload_optimizer=True)
+
+
+# ------------------------------------------------------------------------------------ the CLI and memfit train
+
+
+def _stage_of(name: str) -> int:
+    """gpt-tiny over 2 stages: the embedding and block 0 on the first, block 1, the norm and the head on the last."""
+    return 0 if name.startswith(("embed.", "layers.0.")) else 1
+
+
+def test_cli_estimate_shows_every_stage_and_the_one_that_bounds_the_budget(capsys):
+    """`memfit estimate --pp 2`: the usual figures are the highest stage's; a table gives each stage's peak,
+    parameters and peak phase, and --json carries them as `stages`. The stages' parameters, counted from each
+    stage's own trace, add up to the whole model's: each holds only its part."""
+    import json
+
+    from memfit.cli import main
+    from memfit.units import fmt_bytes
+
+    args = ["estimate", "gpt-tiny", "--pp", "2", "--pp-schedule", "gpipe", "--micro-batch", "2"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    stages = data["stages"]
+    assert data["config"]["pp"] == 2 and data["config"]["pp_schedule"] == "gpipe"
+    assert data["config"]["grad_accum"] == 2  # not given: one micro-batch per stage
+    assert [s["stage"] for s in stages] == [0, 1]
+    assert data["peak_bytes"] == max(s["peak_bytes"] for s in stages)
+    assert sum(s["parameters"] for s in stages) == sum(p.numel() for p in builtin("gpt-tiny").model().parameters())
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"peak {fmt_bytes(data['peak_bytes'])} of live tensors, reached in the" in text  # the summary line
+    assert "pipeline stages (2, gpipe)" in text
+    for s in stages:
+        row = next(line for line in text.splitlines() if line.split("│")[0].strip() == str(s["stage"]))
+        assert [c.strip() for c in row.split("│")] == [str(s["stage"]), f"{s['parameters']:,}",
+                                                       fmt_bytes(s["peak_bytes"]), s["peak_phase"]]
+    bound = max(stages, key=lambda s: s["peak_bytes"])["stage"]
+    assert f"stage {bound} bounds the budget: {fmt_bytes(data['peak_bytes'])}" in " ".join(text.split())
+
+
+def test_cli_trains_two_stages_and_the_run_resumes_on_one_process_and_on_stages(tmp_path, capfd):
+    """`memfit train --gpus 2 --pp 2`: each stage's rank writes only its stage's parameters and optimizer state
+    with DCP, under the model's own names. From its step-2 checkpoint (the later one removed, as if the run had
+    stopped there) the run goes on on one process and on two stages again, under the default cosine schedule
+    (each stage's learning rate must come back with it): all three give the one-process run's losses. A
+    one-process checkpoint is refused on stages, in one line, before any rank starts."""
+    import json
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from memfit.cli import main
+    from memfit.runtime.run import train
+
+    common = ["gpt-tiny", "--global-batch", "8", "--steps", "4", "--no-progress"]
+    out = tmp_path / "stages"
+    assert main(["train", *common, "--gpus", "2", "--pp", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    capfd.readouterr()
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2 and report["config"]["pp"] == 2 and report["config"]["grad_accum"] == 2
+
+    shards = out / "checkpoints" / "step-00000002.dcp"
+    where: dict[str, set] = {}
+    for index, item in dcp.FileSystemReader(str(shards)).read_metadata().storage_data.items():
+        where.setdefault(index.fqn, set()).add(item.relative_path)
+    model_names = builtin("gpt-tiny").model().state_dict().keys()
+    assert {k.removeprefix("model.") for k in where if k.startswith("model.")} == set(model_names)
+    for name in model_names:
+        rank_file = {f"__{_stage_of(name)}_0.distcp"}
+        assert where[f"model.{name}"] == rank_file, name
+        assert where[f"optimizer.state.{name}.exp_avg"] == rank_file, name
+
+    for target in ("one", "stages"):
+        resumed = tmp_path / f"resumed-on-{target}"
+        shutil.copytree(out, resumed)
+        for later in (resumed / "checkpoints").glob("step-00000004*"):
+            shutil.rmtree(later) if later.is_dir() else later.unlink()
+        more = ["--gpus", "2", "--pp", "2"] if target == "stages" else []
+        assert main(["train", *common, *more, "--resume", "--out", str(resumed)]) == 0
+        capfd.readouterr()
+        records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+        assert any(r.get("event") == "resumed from step-00000002.pt" for r in records)
+        target_losses = [r["loss"] for r in records if "loss" in r]
+        if target == "one":
+            one_losses = target_losses
+        else:
+            stage_losses = target_losses
+    whole = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    one = train(builtin("gpt-tiny"), 4, 8, micro_batch=4, out=tmp_path / "one", progress=False)
+    expected = [r["loss"] for r in one.metrics]
+    assert whole == pytest.approx(expected, rel=1e-5)
+    assert one_losses == pytest.approx(expected, rel=1e-5)
+    assert stage_losses == pytest.approx(expected, rel=1e-5)
+
+    assert main(["train", *common, "--gpus", "2", "--pp", "2", "--resume", "--out", str(tmp_path / "one")]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "a checkpoint of one process" in err and "resume it without --pp" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "gpt-tiny", "--gpus", "3", "--pp", "2"], "--pp 2 does not divide --gpus 3"),
+    (["train", "gpt-tiny", "--gpus", "2", "--pp", "2", "--global-batch", "8", "--micro-batch", "8"],
+     "2 pipeline stages need at least 2 micro-batches"),
+    (["train", "gpt-tiny", "--gpus", "2", "--pp", "2", "--global-batch", "1"], "cannot make the 2 micro-batches"),
+    (["train", "gpt-tiny", "--gpus", "4", "--pp", "2", "--data-parallel", "ddp"], "ddp data parallel beside it"),
+    (["estimate", "gpt-tiny", "--pp", "2", "--grad-accum", "1"], "2 pipeline stages need at least 2 micro-batches"),
+    (["summary", "gpt-tiny", "--pp", "2"], "--pp 2: summary's table is of one process's whole model"),
+])
+def test_what_a_pipeline_run_cannot_do_is_refused_in_one_line_before_any_rank_starts(args, message, capfd):
+    from memfit.cli import main
+
+    assert main(args) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_pipelines_oom_recovery_keeps_micro_batches_of_one_shape():
+    """A pipeline's schedule runs micro-batches of one shape: the ladder skips a halved micro-batch that does not
+    split a rank's rows evenly (18 rows: not 4), where one process takes an uneven last chunk. The OOM a stage's
+    forward raises reaches the run wrapped by torch's pipelining in a RuntimeError: it is still found."""
+    from memfit.runtime.run import _out_of_memory, recovery_ladder
+
+    one = recovery_ladder(Config(micro_batch=9, grad_accum=2), 18)
+    stages = recovery_ladder(Config(micro_batch=9, grad_accum=2, pp=2), 18)
+    assert [c.micro_batch for c in one if c.activation_checkpoint == "none"] == [4, 2, 1]
+    assert [(c.micro_batch, c.grad_accum) for c in stages if c.activation_checkpoint == "none"] == [(2, 9), (1, 18)]
+    oom = torch.OutOfMemoryError("out of memory")
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError("[Stage 1] failed to run forward") from e
+    except RuntimeError as wrapped:
+        assert _out_of_memory(wrapped) is oom
+    assert _out_of_memory(RuntimeError("something else")) is None

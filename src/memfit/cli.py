@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from memfit import __version__
-from memfit.config import LAYOUTS, PRECISIONS, Config
+from memfit.config import LAYOUTS, PP_SCHEDULES, PRECISIONS, Config
 from memfit.errors import ConfigError, PlanError, RunError, WorkloadError
 
 
@@ -94,7 +94,9 @@ _PRECISION_HELP = ("fp32; bf16 = bf16 autocast, fp32 weights; fp16 = fp16 autoca
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int,
                    help="samples per forward/backward pass (default: 1, or the smallest the model trains at)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--grad-accum", type=int,
+                   help="micro-steps per optimizer step (default: 1; with --pp, the stages' count, the fewest that "
+                        "keep every stage busy)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help=_PRECISION_HELP + " (default: the device's: fp32 on a CPU; on a GPU bf16, or fp16 without it)")
     p.add_argument("--activation-checkpoint", "--checkpoint", type=_activation_checkpoint_arg, default="none",
@@ -126,7 +128,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="ranks per node, hsdp's shard group (default: 8)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks splitting each block's matmuls, beside --gpus (default: %(default)s)")
+    _add_pipeline_args(p, "pipeline stages the repeated blocks split over, beside --gpus; figures are the highest "
+                          "stage's, each stage's in a table")
     p.add_argument("--config", help="a Config as JSON (a file path or the JSON text); flags are ignored")
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--pp", type=int, default=1, help=f"{what} (default: %(default)s)")
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b",
+                   help="the order a stage runs its micro-batches: gpipe (every forward, then every backward) or "
+                        "1f1b (one forward, one backward once the pipeline is full: fewer held) (default: "
+                        "%(default)s)")
 
 
 def _config_json(text: str) -> Config:
@@ -165,12 +177,14 @@ def _config(args, device=None) -> Config:
     precision = args.precision or defaults_for(device or get_device("cpu")).precision
     layout = args.data_parallel or ("fsdp" if args.gpus > 1 else "none")
     per_node = args.gpus_per_node or (8 if layout == "hsdp" else None)  # HGX/DGX nodes hold 8 GPUs
-    return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum, precision=precision,
+    pp = getattr(args, "pp", 1)
+    return Config(micro_batch=args.micro_batch or 1, grad_accum=args.grad_accum or pp, precision=precision,
                   activation_checkpoint=args.activation_checkpoint, offload_activations=args.offload_activations,
                   offload_optimizer=args.offload_optimizer, optimizer_in_backward=args.optimizer_in_backward,
                   optimizer_8bit=args.optimizer_8bit, paged_optimizer=args.paged_optimizer, base_4bit=args.base_4bit,
                   loss_chunks=args.loss_chunks,
-                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node, tp=getattr(args, "tp", 1))
+                  gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node, tp=getattr(args, "tp", 1), pp=pp,
+                  pp_schedule=getattr(args, "pp_schedule", "1f1b"))
 
 
 def _check_counts(args, *names: str) -> None:
@@ -179,6 +193,12 @@ def _check_counts(args, *names: str) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _one_process(args, why: str) -> None:
+    """Refuse --pp where a command runs or describes one process's model: each stage needs its own rank."""
+    if getattr(args, "pp", 1) > 1 and not args.config:
+        raise ConfigError(f"--pp {args.pp}: {why}; `memfit estimate --pp` gives each stage's figures")
 
 
 def _smallest(args, run, config: Config):
@@ -200,7 +220,7 @@ def cmd_estimate(args) -> int:
     from memfit.memory.devices import get_device
     from memfit.memory.estimate import estimate
 
-    _check_counts(args, "micro_batch", "grad_accum")
+    _check_counts(args, "micro_batch", "grad_accum", "pp")
     device = get_device(args.device)
     config = _config(args, device)
     workload = _workload(args)
@@ -232,7 +252,8 @@ def cmd_estimate(args) -> int:
 def cmd_summary(args) -> int:
     from memfit.memory.summary import summarize
 
-    _check_counts(args, "micro_batch", "grad_accum")
+    _check_counts(args, "micro_batch", "grad_accum", "pp")
+    _one_process(args, "summary's table is of one process's whole model")
     config = _config(args)
     workload = _workload(args)
     rows, note = _smallest(args, lambda c: summarize(workload, c), config)
@@ -358,20 +379,31 @@ def cmd_train(args) -> int:
     from memfit.runtime import distributed
     from memfit.runtime.run import default_run_dir
 
-    _check_counts(args, "gpus", "keep_checkpoints", "tp")
+    _check_counts(args, "gpus", "keep_checkpoints", "tp", "pp")
+    config = _config_json(args.config) if args.config else None
+    if config is not None:  # the ranks split as the configuration says
+        args.tp, args.pp, args.pp_schedule = config.tp, config.pp, config.pp_schedule
     if args.gpus % args.tp:
         raise ConfigError(f"--tp {args.tp} does not divide --gpus {args.gpus}")
-    if args.tp > 1:  # refused here in one line rather than by every rank once launched
-        dp = args.gpus // args.tp
-        Config(gpus=dp, data_parallel=(args.data_parallel or "fsdp") if dp > 1 else "none", tp=args.tp)
+    if args.gpus % (args.pp * args.tp):
+        raise ConfigError(f"--pp {args.pp}{f' x --tp {args.tp}' if args.tp > 1 else ''} does not divide --gpus "
+                          f"{args.gpus}: every pipeline stage needs the same number of ranks")
+    dp = args.gpus // (args.pp * args.tp)
+    if args.tp > 1 or args.pp > 1:  # refused here in one line rather than by every rank once launched
+        _model_parallel_config(args, dp)
     allow = _allow(args.allow)
     if {"lora", "qlora"} & set(allow):
         from memfit.planner.search import lora_flag
         raise ConfigError(f"train runs one model: a LoRA plan (memfit plan --allow lora or qlora) is trained with "
                           f"--lora {lora_flag()} (the options the plan names; --base-4bit for QLoRA's)")
-    config = _config_json(args.config) if args.config else None
     if config is not None and config.world != args.gpus:
         raise ConfigError(f"--config is for {config.world} GPU(s); --gpus is {args.gpus}")
+    if args.resume and args.pp > 1 and args.out and not distributed.launched():  # before any rank starts
+        from memfit.runtime.checkpoints import latest_checkpoint, shards_path
+        from memfit.runtime.run import unsharded_on_stages
+        latest = latest_checkpoint(args.out)
+        if latest is not None and not shards_path(latest).is_dir():
+            raise ConfigError(unsharded_on_stages(latest))
     workload = _workload(args)
     if args.gpus > 1 and not distributed.launched():
         if args.device.startswith("cuda"):
@@ -379,9 +411,8 @@ def cmd_train(args) -> int:
             if torch.cuda.device_count() < args.gpus:
                 raise ConfigError(f"--gpus {args.gpus} on --device {args.device}: this machine has "
                                   f"{torch.cuda.device_count()} GPU(s); run one launcher per node (torchrun, Slurm)")
-        if args.global_batch % (args.gpus // args.tp):
-            raise ConfigError(f"--global-batch {args.global_batch} does not split over {args.gpus // args.tp} "
-                              "data-parallel ranks")
+        if args.global_batch % dp:
+            raise ConfigError(f"--global-batch {args.global_batch} does not split over {dp} data-parallel ranks")
         if args.out is None:  # every rank must write into the same run folder
             args.out = str(default_run_dir(workload))
             args.argv += ["--out", args.out]
@@ -397,7 +428,8 @@ def cmd_train(args) -> int:
                    checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                    resume=args.resume, schedule=args.schedule,
                    progress=not args.no_progress, console=console, deterministic=args.deterministic,
-                   gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow, tp=args.tp)
+                   gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow, tp=args.tp,
+                   pp=args.pp, pp_schedule=args.pp_schedule)
     if args.gpus > 1 and not result.report:
         return 0  # ranks other than 0 say nothing
     from memfit.report.tables import run_view
@@ -408,6 +440,18 @@ def cmd_train(args) -> int:
             mark = "[green]✓[/]" if answer == truth else "[red]✗[/]"
             console.print(f"  sort {given} → {answer} {mark}")
     return 0
+
+
+def _model_parallel_config(args, dp: int) -> Config:
+    """The configuration the ranks will make, built here so what it refuses (a split not built yet, too few
+    micro-batches for the stages) is one line before any rank starts."""
+    from memfit.runtime.run import rank_micro_batch
+
+    share = args.global_batch // dp if args.global_batch % dp == 0 else args.global_batch
+    micro = args.micro_batch or rank_micro_batch(share, args.pp)
+    return Config(micro_batch=micro, grad_accum=max(1, share // micro), gpus=dp,
+                  data_parallel=(args.data_parallel or "fsdp") if dp > 1 else "none", tp=args.tp, pp=args.pp,
+                  pp_schedule=args.pp_schedule)
 
 
 def result_model(result, workload):
@@ -459,7 +503,7 @@ def cmd_doctor(args) -> int:
     watched for leaks over --steps real steps."""
     from memfit.memory.devices import get_device
 
-    _check_counts(args, "micro_batch", "grad_accum", "steps")
+    _check_counts(args, "micro_batch", "grad_accum", "steps", "pp")
     if args.oom is not None:
         from memfit.memory.snapshot import explain_oom, parse_oom_message
 
@@ -484,6 +528,7 @@ def cmd_doctor(args) -> int:
 
     if args.device and get_device(args.device).kind != "cpu":
         raise ConfigError("the leak finder runs real steps on this machine's CPU; leave out --device")
+    _one_process(args, "the leak finder runs real steps in this one process")
     args.workload = args.target
     report = find_leaks(_workload(args), _config(args), steps=args.steps)
     print(report.render())
@@ -688,6 +733,8 @@ def _add_train_command(sub) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="of the --gpus ranks, how many split each block's matmuls (tensor parallel); the data-parallel "
                         "ranks are gpus / tp (default: %(default)s)")
+    _add_pipeline_args(p, "of the --gpus ranks, how many pipeline stages the repeated blocks split over; the "
+                          "data-parallel ranks are gpus / (pp x tp), each stage's own fsdp ranks")
     p.set_defaults(fn=cmd_train)
 
 

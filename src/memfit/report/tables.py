@@ -68,6 +68,8 @@ def estimate_view(est: Estimate) -> Group:
         parts.append(Text(f"fits: {fmt_bytes(left)} of {est.device} memory left" if left >= 0 else
                           f"does NOT fit: over {est.device}'s memory by {fmt_bytes(-left)}",
                           style="green" if left >= 0 else "bold red"))
+    if est.stages:
+        parts.append(_stages_view(est))
     if est.routing and est.routing["assumption"] != "invariant":  # invariant: the notes say so
         parts.append(_routing_view(est))
     if est.modules:
@@ -91,6 +93,30 @@ def estimate_view(est: Estimate) -> Group:
     for note in est.notes:
         parts.append(Text(f"note: {note}", style="dim"))
     return Group(*parts)
+
+
+def _stage_peak(stage: dict) -> int:
+    """The figure a stage's budget must hold: nvidia-smi's on a GPU target, live tensor bytes otherwise (as
+    the estimate picks its highest stage)."""
+    return stage["device_peak_bytes"] if stage["device_peak_bytes"] is not None else stage["peak_bytes"]
+
+
+def _stages_view(est: Estimate) -> Group:
+    """A pipeline's stages side by side: they hold different blocks and micro-batches in flight, so the figures
+    above are only the highest stage's, and a budget per GPU is bound by that one."""
+    gpu = est.stages[0]["device_peak_bytes"] is not None
+    table = Table(title=f"pipeline stages ({len(est.stages)}, {est.config['pp_schedule']}): each its own rank",
+                  title_justify="left", show_edge=False)
+    _figures(table, "stage", "parameters", "peak", *(["device use\n(nvidia-smi)"] if gpu else []))
+    table.add_column("peak phase", no_wrap=True)
+    for s in est.stages:
+        table.add_row(str(s["stage"]), f"{s['parameters']:,}", fmt_bytes(s["peak_bytes"]),
+                      *([fmt_bytes(s["device_peak_bytes"])] if gpu else []), str(s["peak_phase"]))
+    bound = max(est.stages, key=_stage_peak)
+    what = "device use" if gpu else "live tensors"
+    line = Text(f"stage {bound['stage']} bounds the budget: {fmt_bytes(_stage_peak(bound))} of {what}, the highest "
+                "stage's; the figures above are its own")
+    return Group(table, line)
 
 
 _BOUND_ROUTINGS = {"collapsed": "k experts take every token", "first": "the first expert takes every token",

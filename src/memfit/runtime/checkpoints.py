@@ -266,7 +266,8 @@ def _check_plain(value, what: str, path: str = "") -> None:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, scaler=None, scheduler=None, config: Mapping | Any,
                     data_state: Mapping | None = None, keep: int | None = 2, optimizer_offload=None,
-                    run: Mapping | None = None, shards: Mapping | None = None, noise: Mapping | None = None) -> Path:
+                    run: Mapping | None = None, shards: Mapping | None = None, noise: Mapping | None = None,
+                    flat_optimizer: bool = False) -> Path:
     """Atomically write ``RUN_DIR/checkpoints/step-XXXXXXXX.pt`` and its checksum, and return its path.
 
     `config` is `Config.to_dict()` (a `Config` is converted); `data_state` is a small dict of ints/lists
@@ -278,7 +279,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
     fp32 master copies on the host: those masters are saved so that resume is exact even when the model's
     own parameters are lower precision. `shards`: {file name: [bytes, sha256]} of the folder `save_sharded`
     wrote the model and optimizer states to, recorded instead of them. `noise`: the gradient noise scale's
-    `NoiseScale.state_dict()` (its moving averages), for a resume to go on with.
+    `NoiseScale.state_dict()` (its moving averages), for a resume to go on with. `flat_optimizer`: the
+    shards' optimizer state is keyed by parameter name, hyperparameters included (`save_sharded`).
     """
     step = int(step)
     if step < 0:
@@ -300,6 +302,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         "model": {} if shards else model.state_dict(),
         "optimizer": {} if shards else optimizer.state_dict(),
         "shards": dict(shards) if shards else None,
+        "flat_optimizer": bool(shards) and flat_optimizer,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "offload_master": ([m.detach() for m in optimizer_offload.master] if optimizer_offload is not None else None),
@@ -321,11 +324,15 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
 
 def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler=None, config: Mapping | Any, data_state: Mapping | None = None, keep: int | None = 2,
-                 run: Mapping | None = None) -> Path:
+                 run: Mapping | None = None, flat_optimizer: bool = False) -> Path:
     """`save_checkpoint` for a run on several ranks, called by every rank: each writes its own shards of the
     model and optimizer states with `torch.distributed.checkpoint.save`, so no rank ever holds the whole
     state; rank 0 then commits the checkpoint (module docstring). Returns its path on every rank. An error on
-    any rank (a full disk) is raised on every rank, and leaves the previous checkpoints as they were."""
+    any rank (a full disk) is raised on every rank, and leaves the previous checkpoints as they were.
+
+    `flat_optimizer` (pipeline stages): the optimizer's param groups saved per parameter name, as torchtitan
+    saves them. Unflattened, every stage's group 0 is one key, DCP keeps one rank's copy of it, and the other
+    stages' parameters lose their hyperparameters on load (a resumed stage would step at a fresh lr)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -338,7 +345,7 @@ def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Modul
     try:
         # every rank, as DCP's writer does on each: a rank 0 that insisted on making it raced the others' writers
         tmp.mkdir(parents=True, exist_ok=True)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_state_options(flat_optimizer))
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
         files = sorted(f.name for f in tmp.iterdir())  # complete on every rank: save() ends in a collective
         mine = {f: [(tmp / f).stat().st_size, sha256_of(tmp / f)]
@@ -357,7 +364,7 @@ def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Modul
             os.replace(tmp, target)
             _fsync_dir(target.parent)
             save_checkpoint(run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, config=config,
-                            data_state=data_state, keep=keep, run=run, shards=shards)
+                            data_state=data_state, keep=keep, run=run, shards=shards, flat_optimizer=flat_optimizer)
         except OSError as e:
             failed = f"{type(e).__name__}: {e}"
     if dist.get_rank() == 0 and failed is not None:
@@ -367,6 +374,12 @@ def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Modul
     if box[0] is not None:
         raise error if isinstance(error, OSError) else OSError(box[0])
     return final
+
+
+def _state_options(flat_optimizer: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat_optimizer)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -555,10 +568,12 @@ def restore(ckpt: Mapping, *, model: torch.nn.Module, optimizer: torch.optim.Opt
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        options = _state_options(bool(ckpt.get("flat_optimizer")))  # as it was saved
         try:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
+            model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
             dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=shards_path(path))
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                           options=options)
         except (ValueError, KeyError, RuntimeError, dcp.CheckpointException) as e:
             raise CheckpointError(f"the saved state does not fit this model and optimizer: {_one_line(e)}") from e
     elif ckpt.get("named_state"):  # a sharded run's checkpoint from before DCP: full states by name

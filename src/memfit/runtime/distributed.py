@@ -161,6 +161,25 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def pipeline_full_model_state(model: torch.nn.Module, config) -> dict:
+    """A pipeline's whole model, name-keyed, on rank 0 (empty on the others); a collective every rank calls.
+    torch's full state dict keeps its tensors on global rank 0 alone, which holds only the first stage: here
+    each stage's first rank makes its stage's tensors whole (FSDP shards gathered one tensor at a time, onto
+    the CPU) and rank 0 collects the stages'."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    first = dist.get_rank() % (config.gpus * config.tp) == 0  # the mesh: stages outermost
+    own = {}
+    for name, t in get_model_state_dict(model).items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over the stage's ranks
+        if first:
+            own[name] = whole.detach().cpu()
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(own if first else None, parts, dst=0)
+    return {k: v for part in parts or [] if part for k, v in part.items()}
+
+
 def agree(value):
     """Rank 0's `value` on every rank (a small picklable object): one decision the whole world acts on."""
     box = [value]

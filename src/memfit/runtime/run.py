@@ -136,12 +136,15 @@ GROWTH_WARNING = "warning: live memory between steps"
 
 def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
     """What to try after an OOM, in order: halve the micro-batch (more accumulation, same global batch),
-    then checkpoint selectively, then every block. Precision and optimizer offload are never changed: they
+    then checkpoint selectively, then every block (a pipeline skips micro-batches that do not split the batch
+    evenly: its schedule's buffers have one shape). Precision and optimizer offload are never changed: they
     would change the math or the optimizer's state layout. The optimizer step in backward takes one
     micro-batch a step: only its checkpointing changes."""
     out, m = [], config.micro_batch
     while m > 1 and not config.optimizer_in_backward:
         m = max(1, m // 2)
+        if config.pp > 1 and global_batch % m:  # a pipeline's micro-batches are of one shape (its buffers')
+            continue
         out.append(config.replace(micro_batch=m, grad_accum=math.ceil(global_batch / m)))
     last = out[-1] if out else config
     for ck in ("selective", "all"):
@@ -352,7 +355,8 @@ class _Run:
             path = ckpt.save_sharded(self.out, step, model=e.model, optimizer=e.optimizer, scheduler=self.scheduler,
                                      config=self.trainer.config,
                                      data_state={"seed": self.seed, "global_batch": self.global_batch},
-                                     run=self.identity, keep=self.keep_checkpoints)
+                                     run=self.identity, keep=self.keep_checkpoints,
+                                     flat_optimizer=self.trainer.config.pp > 1)
         except OSError as err:
             raise RunError(self._save_failed(err, step)) from err
         self.saved_step = step
@@ -408,7 +412,10 @@ class _Run:
                 loss, peak = self._measured_step(batch, measure)
                 self.trainer.step_count = step + 1
                 return loss, peak
-            except torch.OutOfMemoryError as oom:
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                oom = _out_of_memory(error)
+                if oom is None:
+                    raise
                 torch.set_rng_state(rng)
                 if self.trainer.config.world > 1:
                     self._restart_ranks(step, oom)  # raises
@@ -594,6 +601,17 @@ class _Run:
         self.console.print("[yellow]Ctrl-C: finishing this step, then writing a checkpoint (again to abort)[/]")
 
 
+def _out_of_memory(error: BaseException) -> torch.OutOfMemoryError | None:
+    """The OOM behind `error`, if one is: a pipeline stage's forward re-raises what its module raised as a
+    RuntimeError "from" it (torch.distributed.pipelining), which would otherwise kill the rank unrecovered."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return error
+        error, seen = error.__cause__, seen + 1
+    return None
+
+
 def _history(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -604,7 +622,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
           seed: int = 0, out: str | Path | None = None, checkpoint_every: int | None = None, keep_checkpoints: int = 2,
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
           console=None, deterministic: bool | None = None, gpus: int = 1,
-          data_parallel: str | None = None, allow=(), tp: int = 1) -> RunResult:
+          data_parallel: str | None = None, allow=(), tp: int = 1, pp: int = 1,
+          pp_schedule: str = "1f1b") -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
@@ -640,6 +659,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         data_parallel: the layout across ranks (`Config.data_parallel`); default fsdp.
         tp: of the `gpus` ranks, how many split each block's matmuls (`Config.tp`); the data-parallel ranks
             are gpus / tp.
+        pp, pp_schedule: of the `gpus` ranks, how many pipeline stages the blocks split over, and their
+            schedule (`Config.pp`, `Config.pp_schedule`); the data-parallel ranks are gpus / (pp x tp).
         allow: techniques that change the math the plan may use (`plan`'s `allow`: "8bit-optim").
 
     Returns:
@@ -657,7 +678,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
 
     console = console or Console()
     _check_arguments(steps, global_batch, micro_batch, checkpoint_every, keep_checkpoints, warmup, schedule)
-    layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp)
+    layout = _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp, pp)
     if gpus > 1 and int(os.environ["RANK"]) != 0:
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(out) if out else default_run_dir(workload)
@@ -670,6 +691,8 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
             what = "complete" if not ckpt.list_checkpoints(out) else "intact"
             raise RunError(f"--resume: no {what} checkpoint under {out}")
         path, state = found
+        if pp > 1 and not state.get("shards"):
+            raise RunError(unsharded_on_stages(path))
         identity = _check_resume(path, state, workload, seed=seed, global_batch=global_batch, steps=steps,
                                  schedule=schedule, warmup=warmup, deterministic=deterministic,
                                  precision=precision or (config.precision if config else None))
@@ -693,7 +716,13 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                       keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus, layout=layout,
-                      recovery=recovery, allow=allow, tp=tp)
+                      recovery=recovery, allow=allow, tp=tp, pp=pp, pp_schedule=pp_schedule)
+
+
+def unsharded_on_stages(path) -> str:
+    """Why a one-process checkpoint does not resume on pipeline stages (DCP's resharding needs DCP shards)."""
+    return (f"{path}: a checkpoint of one process holds its optimizer state by position in the whole model, which "
+            "a pipeline stage cannot take its part of: resume it without --pp")
 
 
 def default_run_dir(workload: Workload) -> Path:
@@ -701,28 +730,32 @@ def default_run_dir(workload: Workload) -> Path:
     return Path("runs") / f"{workload.name.replace('/', '_').replace(':', '_')}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 
 
-def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp=1) -> str:
-    """The layout for `gpus` ranks (`tp` of them splitting each block), after checking what a run across
-    ranks needs."""
+def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp=1, pp=1) -> str:
+    """The layout for `gpus` ranks (`tp` of them splitting each block, `pp` pipeline stages), after checking
+    what a run across ranks needs."""
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ConfigError(f"gpus must be a whole number >= 1, got {gpus!r}")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or gpus % tp:
-        raise ConfigError(f"tensor parallel over {tp!r} ranks does not divide {gpus} ranks")
-    layout = data_parallel or ("fsdp" if gpus // tp > 1 else "none")
+    for n, what in ((tp, "tensor parallel over"), (pp, "a pipeline of")):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"{what} {n!r} ranks: a whole number >= 1")
+    if gpus % (tp * pp):
+        raise ConfigError(f"{pp} pipeline stage(s) x {tp} tensor-parallel rank(s) do not divide {gpus} ranks")
+    dp = gpus // (tp * pp)
+    layout = data_parallel or ("fsdp" if dp > 1 else "none")
     if gpus == 1:
         return layout
     if not distributed.launched():
         raise RunError(f"training on {gpus} GPUs needs one process per rank: run `memfit train --gpus {gpus}` "
                        "(it starts them itself) or start this under torchrun")
-    if global_batch % (gpus // tp * (micro_batch or 1)):
-        raise ConfigError(f"global batch {global_batch} does not split into {gpus // tp} data-parallel ranks x "
+    if global_batch % (dp * (micro_batch or 1)):
+        raise ConfigError(f"global batch {global_batch} does not split into {dp} data-parallel ranks x "
                           f"micro-batch {micro_batch or 1}")
     return layout
 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
            checkpoint_every, keep_checkpoints, progress, console, gpus=1, layout="none", recovery=None,
-           allow=(), tp=1) -> RunResult:
+           allow=(), tp=1, pp=1, pp_schedule="1f1b") -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
@@ -735,7 +768,8 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
         return _train_on_ranks(workload, identity, out, state, path, device=device, dev=dev, config=config,
                                micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                                keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus,
-                               layout=layout, budget=budget_bytes, recovery=recovery, tp=tp)
+                               layout=layout, budget=budget_bytes, recovery=recovery, tp=tp, pp=pp,
+                               pp_schedule=pp_schedule)
     if state is not None:  # the run goes on in the configuration it was saved in
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
@@ -792,17 +826,26 @@ def _on_one_rank(config: Config, global_batch: int) -> Config:
     """A configuration saved across ranks, continued in one process (the same global batch per step)."""
     if config.world == 1:
         return config
-    return config.replace(gpus=1, data_parallel="none", gpus_per_node=None, tp=1,
+    return config.replace(gpus=1, data_parallel="none", gpus_per_node=None, tp=1, pp=1,
                           grad_accum=math.ceil(global_batch / config.micro_batch))
+
+
+def rank_micro_batch(share: int, pp: int = 1) -> int:
+    """The largest micro-batch that splits a data-parallel rank's `share` of the rows evenly (a pipeline's
+    schedule runs micro-batches of one shape) into at least `pp` of them (each stage busy)."""
+    if share < pp:
+        raise ConfigError(f"a data-parallel rank's {share} row(s) of the global batch cannot make the {pp} "
+                          "micro-batches a step that keep every pipeline stage busy: raise --global-batch")
+    return max(m for m in range(1, share // pp + 1) if share % m == 0)
 
 
 def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
                     checkpoint_every, keep_checkpoints, progress, console, gpus, layout, budget,
-                    recovery, tp=1) -> RunResult:
-    """`_train` as one of `gpus` ranks (gpus / tp data-parallel ones, each `tp` ranks splitting the blocks, which
-    draw the same rows): rank 0 predicts (before the world exists: the estimate traces a fake
-    one), every rank joins, trains its share, checkpoints together; rank 0 writes the run folder. Under a
-    budget, every rank counts its own memory; an OOM on any rank restarts all of them in the next
+                    recovery, tp=1, pp=1, pp_schedule="1f1b") -> RunResult:
+    """`_train` as one of `gpus` ranks (gpus / (pp x tp) data-parallel ones, each `tp` ranks splitting the blocks,
+    which draw the same rows, in each of `pp` pipeline stages): rank 0 predicts (before the world exists: the
+    estimate traces a fake one), every rank joins, trains its share, checkpoints together; rank 0 writes the run
+    folder. Under a budget, every rank counts its own memory; an OOM on any rank restarts all of them in the next
     configuration (runtime/distributed.py), recorded in the run folder and applied here."""
     from memfit.report.plots import plot_loss, plot_memory_timeline
 
@@ -812,14 +855,15 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
         recovery = None  # the checkpoint is newer than the OOM: its configuration already is the recovered one
     if recovery is not None:
         saved, micro_batch = Config.from_dict(recovery["config"]), None
-    share = global_batch // (gpus // tp)  # a data-parallel rank's rows
-    micro = micro_batch or (saved.micro_batch if saved is not None else share)
-    if share % micro:
-        micro = share  # a resume on fewer ranks than the micro-batch was chosen for
+    dp = gpus // (tp * pp)
+    share = global_batch // dp  # a data-parallel rank's rows
+    micro = micro_batch or (saved.micro_batch if saved is not None else rank_micro_batch(share, pp))
+    if share % micro or share // micro < pp:  # a resume on fewer ranks, or more stages, than it was chosen for
+        micro = rank_micro_batch(share, pp)
     config = Config(micro_batch=micro, grad_accum=share // micro,
                     precision=(saved.precision if saved is not None else precision or defaults_for(dev).precision),
                     activation_checkpoint=saved.activation_checkpoint if saved is not None else "none",
-                    gpus=gpus // tp, data_parallel=layout, tp=tp)
+                    gpus=dp, data_parallel=layout, tp=tp, pp=pp, pp_schedule=pp_schedule)
     rank0 = int(os.environ["RANK"]) == 0
     start = Prediction(config, None, None, "rank 0 predicts")
     if rank0:  # memory per rank; the step time is not predicted (predict)
@@ -844,7 +888,8 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
         finished = run.trainer.step_count >= steps
         if finished:
             run.save(steps)
-        model_state, _ = distributed.full_state(run.trainer.model, run.trainer.optimizer)
+        model_state = (distributed.full_state(run.trainer.model, run.trainer.optimizer)[0] if pp == 1 else
+                       distributed.pipeline_full_model_state(run.trainer.model, config))
         history = _history(out) if rank == 0 else []
         report = {}
         if rank == 0:
