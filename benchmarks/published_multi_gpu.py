@@ -27,6 +27,15 @@ SDPA's enable_gqa, not repeated key/value heads.
 
     python benchmarks/published_multi_gpu.py --only torchtitan   # only the rows whose source names this
 
+torchtitan's tensor- and pipeline-parallel rows in the same report (Table 4: Llama 3.1 70B on 256 H100s, FSDP 32 x
+TP 8, local batch 16, full activation checkpointing: 71.9 GiB, 67.6 GiB with AsyncTP; Table 5: Llama 3.1 405B
+on 512, FSDP 8 x TP 8 x PP 8, local batch 32: 82.5 GiB under 1F1B, 72.7 GiB interleaved) are listed with the
+reason memfit does not estimate them (`--only torchtitan-tp`): every one was compiled and trained its Linears
+in Float8, and torchtitan's TP computes the loss on each rank's 1/8 of the logits (loss_parallel, its default),
+where memfit's TP gathers them whole; the 405B rows are a 3-D layout memfit does not build. No published
+per-rank peak of a tensor- or pipeline-parallel run in eager bf16 was found (searched: torchtitan's
+benchmarks/ and docs/performance.md, its issues' training logs, torchtune's and Megatron-LM's reports).
+
 Not comparable, and left out: the 70B full fine-tune (13.9 GiB), which keeps the sharded parameters and the
 optimizer on the CPU (FSDP2's CPUOffloadPolicy, which memfit does not model), and the single-GPU rows (issue
 14's benchmark compares the 8B one).
@@ -77,6 +86,21 @@ TITAN_ROWS = [  # gpus, published peak reserved per GPU in bytes, as printed
 ]
 TITAN_DEVICE = "h100"  # the benchmark's H100s have 96 GB; the capacity does not enter the estimate
 
+# the same report's TP and PP rows: model, layout, Config fields, published peak reserved (GiB, as printed), why not
+COMPILED_FLOAT8 = ("torch.compile and Float8 Linears (memfit traces eager bf16), and loss_parallel: each rank's loss "
+                   "on its 1/8 of the logits, which memfit's TP gathers whole")
+TITAN_TP_ROWS = [
+    ("Llama 3.1 70B", "2D (FSDP 32, TP 8), full AC", dict(micro_batch=16, gpus=32, tp=8), 256, "71.9 GiB",
+     COMPILED_FLOAT8),
+    ("Llama 3.1 70B", "2D + AsyncTP, full AC", dict(micro_batch=16, gpus=32, tp=8), 256, "67.6 GiB",
+     COMPILED_FLOAT8 + "; AsyncTP's fused collective matmuls"),
+    ("Llama 3.1 405B", "3D (FSDP 8, TP 8, PP 8) 1F1B, full AC", dict(micro_batch=1, grad_accum=32, gpus=8, tp=8, pp=8),
+     512, "82.5 GiB", COMPILED_FLOAT8),
+    ("Llama 3.1 405B", "3D (FSDP 8, TP 8, PP 8) interleaved 1F1B, full AC",
+     dict(micro_batch=1, grad_accum=32, gpus=8, tp=8, pp=8), 512, "72.7 GiB",
+     COMPILED_FLOAT8 + "; interleaved stages (two or more a rank)"),
+]
+
 
 def llama_3_1_8b():
     """memfit's GPT in Llama 3.1 8B's shape at torchtitan's seq_len."""
@@ -107,9 +131,24 @@ def estimate_row(source, model, method, wl, fields, gpus, device, published, pri
     return row
 
 
+def not_estimated_row(model, method, fields, world, printed, why) -> dict:
+    """A published TP/PP row memfit does not estimate: the reasons, and memfit's own refusal of the layout if it
+    refuses it (a Config that builds is said to build: the reasons are then the run's, not the layout's)."""
+    try:
+        Config(**fields, data_parallel="fsdp", precision="bf16", activation_checkpoint="all")
+        layout = "memfit builds this layout"
+    except ConfigError as e:
+        layout = f"memfit refuses the layout: {e}"
+    row = dict(source="torchtitan-tp", model=model, method=method, gpus=world, device=TITAN_DEVICE, published=printed,
+               published_bytes=float(printed.split()[0]) * GiB, not_estimated=f"{why}; {layout}")
+    print(f"{model} {method} on {world} x {TITAN_DEVICE}: published {printed}; not estimated: {row['not_estimated']}",
+          flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["torchtune", "torchtitan"],
+    ap.add_argument("--only", choices=["torchtune", "torchtitan", "torchtitan-tp"],
                     help="re-run only this source's rows; the others' results are kept as they are")
     only = ap.parse_args().only
     out = HERE / "results" / "published_multi_gpu.json"
@@ -131,7 +170,9 @@ def main() -> None:
                              {**TITAN, "activation_checkpoint": "selective"}, gpus, TITAN_DEVICE, published, printed)
         row["memfit_selective"] = {k: other[k] for k in ("estimate", "error") if k in other}
         rows.append(row)
-    order = {"torchtune": 0, "torchtitan": 1}
+    for model, method, fields, world, printed, why in TITAN_TP_ROWS if only in (None, "torchtitan-tp") else []:
+        rows.append(not_estimated_row(model, method, fields, world, printed, why))
+    order = {"torchtune": 0, "torchtitan": 1, "torchtitan-tp": 2}
     rows.sort(key=lambda r: order[r.get("source", "torchtune")])  # a stable sort: each source's rows keep their order
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

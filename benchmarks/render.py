@@ -241,10 +241,10 @@ def t_pipeline_parallel() -> str:
                   "estimate − peak (bytes)", "estimated in"], rows)
 
 
-def t_tensor_parallel() -> str:
+def t_tensor_parallel(name: str = "tensor_parallel") -> str:
     rows = [[r["workload"], r["precision"], r["checkpoint"], _b(r["estimate"]), " / ".join(_b(m) for m in r["rank_peaks"]),
              signed_pct(r["error_vs_min"], 3), signed_pct(r["error_vs_max"], 2), r["runs"],
-             f"{r['estimate_seconds']:.1f} s"] for r in results("tensor_parallel")["memory"]]
+             f"{r['estimate_seconds']:.1f} s"] for r in results(name)["memory"]]
     return table(["model", "precision", "checkpointing", "estimate (rank 0)", "rank peaks (lowest of the runs)",
                   "vs lowest rank", "vs highest rank", "runs", "estimated in"], rows)
 
@@ -271,11 +271,15 @@ def t_step_time() -> str:
 def t_published_multi_gpu() -> str:
     rows = []
     for r in results("published_multi_gpu"):
-        e, err = r["estimate"], r["error"]
         published = r["published"]
         if published.endswith(" GB"):  # a figure published in GB: its GiB beside it
             published += f" ({r['published_bytes'] / 2**30:.1f} GiB)"
-        rows.append([f"{r['model']} {r['method']}, {r['gpus']} x {r['device'].split('-')[0].upper()}", published,
+        run = f"{r['model']} {r['method']}, {r['gpus']} x {r['device'].split('-')[0].upper()}"
+        if "not_estimated" in r:  # a row memfit cannot rebuild: why, in place of the figures
+            rows.append([run, published, f"not estimated: {r['not_estimated']}", "", "", ""])
+            continue
+        e, err = r["estimate"], r["error"]
+        rows.append([run, published,
                      *(f"{e[k] / 2**30:.1f} GiB ({err[k] * 100:+.1f}%)" for k in ("allocated", "reserved", "device")),
                      f"{r['seconds']:.0f} s"])
     return table(["run", "published", "memfit allocated", "reserved", "device (+ context, NCCL)", "estimated in"], rows)
@@ -285,6 +289,7 @@ TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time
           "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
           "pipeline_parallel": t_pipeline_parallel, "tensor_parallel": t_tensor_parallel,
+          "tensor_parallel_2d": lambda: t_tensor_parallel("tensor_parallel_2d"),
           "tensor_parallel_numerics": t_tensor_parallel_numerics,
           "integrations_fit": t_integrations_fit, "integrations_lightning": t_integrations_lightning}
 

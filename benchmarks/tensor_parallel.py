@@ -11,7 +11,10 @@ and final weights (largest differences).
 
     python benchmarks/tensor_parallel.py [--only gpt-tiny,hf-llama] [--tp 2] [--precisions fp32,bf16] [--runs 8]
 
-Results: benchmarks/results/tensor_parallel.json.
+`--gpus 2` puts FSDP2 across groups of tp ranks (torchtitan's 2-D layout, gpus x tp real ranks) and measures
+memory only: the numerics of that layout are tests/test_tensor_parallel.py's (each group on its rows).
+
+Results: benchmarks/results/tensor_parallel.json (tensor_parallel_2d.json with --gpus).
 """
 from __future__ import annotations
 
@@ -42,20 +45,21 @@ SGD_LR = 0.1
 BATCH = 8
 
 
-def memory_rows(names, tp: int, precisions, runs: int) -> list[dict]:
+def memory_rows(names, tp: int, precisions, runs: int, gpus: int = 1) -> list[dict]:
     rows = []
     for name, precision, ck in itertools.product(names, precisions, ["none", "all"]):
         wl = WORKLOADS[name]()
-        cfg = Config(micro_batch=MICRO[name], tp=tp, precision=precision, activation_checkpoint=ck)
+        cfg = Config(micro_batch=MICRO[name], tp=tp, precision=precision, activation_checkpoint=ck, gpus=gpus,
+                     data_parallel="fsdp" if gpus > 1 else "none")
         t = time.perf_counter()
         est = memfit.estimate(wl, cfg).peak_bytes
         seconds = time.perf_counter() - t
         peaks, made = lowest_rank_peaks(wl, cfg, est, runs)
-        row = dict(workload=name, tp=tp, precision=precision, checkpoint=ck, micro_batch=MICRO[name], estimate=est,
+        row = dict(workload=name, tp=tp, gpus=gpus, precision=precision, checkpoint=ck, micro_batch=MICRO[name], estimate=est,
                    rank_peaks=peaks, runs=made, error_vs_min=est / min(peaks) - 1, error_vs_max=est / max(peaks) - 1,
                    estimate_seconds=seconds)
         rows.append(row)
-        print(f"{name:8} tp={tp} {precision} ck={ck:4} est {est:>11,} ranks {peaks} {row['error_vs_min']:+.3%} .. "
+        print(f"{name:8} gpus={gpus} tp={tp} {precision} ck={ck:4} est {est:>11,} ranks {peaks} {row['error_vs_min']:+.3%} .. "
               f"{row['error_vs_max']:+.3%} ({made} run{'s' if made > 1 else ''})", flush=True)
     return rows
 
@@ -129,18 +133,20 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--runs", type=int, default=12, help="real runs at most, while the lowest rank misses by 1%%")
+    ap.add_argument("--gpus", type=int, default=1, help="data-parallel groups (FSDP2) of tp ranks each")
     args = ap.parse_args()
     names = args.only.split(",")
     started = time.perf_counter()
-    memory = memory_rows(names, args.tp, args.precisions.split(","), args.runs)
-    numerics = numerics_rows(names, args.tp)
+    memory = memory_rows(names, args.tp, args.precisions.split(","), args.runs, args.gpus)
+    numerics = numerics_rows(names, args.tp) if args.gpus == 1 else []
     out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, runs=args.runs, memory=memory,
                numerics=numerics,
                within_1pct=sum(abs(r["error_vs_min"]) <= 0.01 for r in memory), configurations=len(memory),
                largest_error=max(abs(r["error_vs_min"]) for r in memory),
                wall_seconds=time.perf_counter() - started)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "tensor_parallel.json").write_text(json.dumps(out, indent=1))
+    name = "tensor_parallel.json" if args.gpus == 1 else "tensor_parallel_2d.json"
+    (RESULTS / name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
