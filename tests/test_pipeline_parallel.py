@@ -254,6 +254,7 @@ def test_cli_trains_two_stages_and_the_run_resumes_on_one_process_and_on_stages(
 
 @pytest.mark.parametrize("args,message", [
     (["train", "gpt-tiny", "--gpus", "3", "--pp", "2"], "--pp 2 does not divide --gpus 3"),
+    (["train", "gpt-tiny", "--pp", "2"], "--pp 2 runs each stage on its own rank: --gpus 2 or more"),
     (["train", "gpt-tiny", "--gpus", "2", "--pp", "2", "--global-batch", "8", "--micro-batch", "8"],
      "2 pipeline stages need at least 2 micro-batches"),
     (["train", "gpt-tiny", "--gpus", "2", "--pp", "2", "--global-batch", "1"], "cannot make the 2 micro-batches"),

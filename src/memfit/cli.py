@@ -385,6 +385,9 @@ def cmd_train(args) -> int:
         args.tp, args.pp, args.pp_schedule = config.tp, config.pp, config.pp_schedule
     if args.gpus % args.tp:
         raise ConfigError(f"--tp {args.tp} does not divide --gpus {args.gpus}")
+    if args.pp > 1 and args.gpus < args.pp * args.tp:
+        raise ConfigError(f"--pp {args.pp} runs each stage on its own rank{'s' if args.tp > 1 else ''}: --gpus "
+                          f"{args.pp * args.tp} or more (--gpus counts every rank)")
     if args.gpus % (args.pp * args.tp):
         raise ConfigError(f"--pp {args.pp}{f' x --tp {args.tp}' if args.tp > 1 else ''} does not divide --gpus "
                           f"{args.gpus}: every pipeline stage needs the same number of ranks")

@@ -939,6 +939,10 @@ def _report(workload, history: list[dict], predictions: dict, final: Config, ide
         groups.setdefault(cfg, []).append(r)
     rows = []
     for cfg, recs in groups.items():
+        if cfg not in predictions and torch.distributed.is_initialized():
+            # a fake world cannot be made beside the real one (a configuration of an earlier launch: an OOM's,
+            # or a resume's on another layout)
+            predictions[cfg] = Prediction(cfg, None, None, "not predicted: run on ranks before this launch")
         if cfg not in predictions:
             try:
                 predictions[cfg] = predict(workload, cfg, dev)
