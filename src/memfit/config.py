@@ -47,7 +47,8 @@ class Config:
         base_4bit: the frozen Linear layers' weights stored in 4-bit NF4 with double quantization (QLoRA's
             base; 0.52 bytes a weight; strategies/base_4bit.py), for a LoRA workload. Changes the math: the
             planner offers it only when allowed.
-        gpus: data-parallel ranks (world size); each runs ``micro_batch * grad_accum`` samples a step.
+        gpus: data-parallel ranks, each a group of ``pp * tp`` ranks (its pipeline stages and tensor-parallel
+            ranks) when those are set; each runs ``micro_batch * grad_accum`` samples a step.
         data_parallel: how the ranks hold the model: ``"none"`` (one rank); ``"ddp"`` (DistributedDataParallel:
             every rank holds all of it; its gradients live in DDP's buckets (``gradient_as_bucket_view``),
             all-reduced after every micro-batch's backward, which keeps no second copy of them during
