@@ -6,7 +6,8 @@ together after backward), then the root, which takes every parameter outside the
 parameters are resharded after its forward (`fsdp`, ZeRO-3), except the last block's, which backward needs
 first; `fsdp-no-reshard` keeps every unit gathered from its forward to its backward (ZeRO-2-like: sharded
 gradients and optimizer state, whole parameters during the step). `hsdp` shards within a node and
-replicates across nodes (a 2-D mesh, replicate x shard).
+replicates across nodes (a 2-D mesh, replicate x shard). Beside tensor parallelism the FSDP layouts shard
+across the groups of tp ranks (a (shard, tp) mesh): each rank shards its own TP shard of every parameter.
 
 `ddp` is PyTorch's DistributedDataParallel, applied in place (its composable `replicate`, so the model keeps
 its class and names) with `gradient_as_bucket_view`: gradients live in DDP's flat buckets, each all-reduced

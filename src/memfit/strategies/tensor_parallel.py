@@ -1,7 +1,8 @@
 """Tensor parallelism: each block's attention and MLP matmuls split over `config.tp` ranks (DTensor).
 
 The plan is torchtitan's Llama plan with sequence parallelism, applied with DTensor's `parallelize_module`
-on a 1-D mesh of the tp ranks:
+on the tp axis of the run's mesh (data_parallel.device_mesh: the tp ranks alone, or groups of neighbouring
+ranks that FSDP2 then shards across, torchtitan's 2-D layout):
 
 - attention q/k/v and MLP gate/up: `ColwiseParallel` (each rank computes its own heads / its own slice of the
   hidden width); attention output and MLP down: `RowwiseParallel`, their partial sums reduce-scattered over
