@@ -331,8 +331,8 @@ def save_sharded(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Modul
     any rank (a full disk) is raised on every rank, and leaves the previous checkpoints as they were.
 
     `flat_optimizer` (pipeline stages): the optimizer's param groups saved per parameter name, as torchtitan
-    saves them. Unflattened, every stage's group 0 is one key, DCP keeps one rank's copy of it, and the other
-    stages' parameters lose their hyperparameters on load (a resumed stage would step at a fresh lr)."""
+    saves them. Unflattened, every stage's group 0 is one key, DCP keeps one rank's copy of it, and a resume on
+    stages failed (the other stages' parameters found no group: KeyError 'betas')."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
