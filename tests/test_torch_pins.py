@@ -35,6 +35,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"stand_ins_for_rng_state_copies"}  # checkpoint()'s RNG-state copies, wherever it runs
     pinned |= {"storage_uses", "current_autograd_node"}  # autograd's gradient sums, in place where a real step's are
     pinned |= {"WAIT_TENSOR"}  # DTensor's collectives on fake tensors (tensor parallelism)
+    pinned |= {"mesh_concatenation_on_real_tensors"}  # FSDP2 over TP's DTensor parameters on fake tensors
     assert set(ti.__all__) == pinned
 
 
@@ -564,6 +565,27 @@ def test_a_fake_world_runs_fsdp2_on_fake_tensors_and_dtensors_are_held_by_their_
     assert gathers and gathers[0][0] == (8 * (4 * 4 + 4),)  # weight + bias shards, padded, from every rank
     assert any(op == "c10d._reduce_scatter_base_.default" for op, _ in seen)
     assert ti.held_by(torch.ones(3))[0].shape == (3,)
+
+
+def test_fsdp2_over_a_tp_split_parameter_joins_the_meshes_only_on_real_tensors():
+    """FSDP2 joins its axis and a DTensor parameter's with the private `DeviceMesh._concatenate`, whose rank lookup
+    (`nonzero` on a new mesh tensor) has no static shape on fake tensors: the shim runs it on real ones, and the
+    parameter is sharded over both axes (a quarter of the rows on rank 0 of a 2 x 2 mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with ti.fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+        with new_fake_mode():
+            layer = parallelize_module(torch.nn.Linear(4, 8), mesh["tp"], ColwiseParallel())
+            other = parallelize_module(torch.nn.Linear(4, 8), mesh["tp"], ColwiseParallel())
+            with pytest.raises(ti.DATA_DEPENDENT_ERRORS):  # without the shim
+                fully_shard(other, mesh=mesh["shard"])
+            with ti.mesh_concatenation_on_real_tensors():
+                fully_shard(layer, mesh=mesh["shard"])
+            (local,) = ti.held_by(layer.weight)
+            assert layer.weight.shape == (8, 4) and local.shape == (2, 4)
 
 
 def test_a_real_world_after_a_fake_one_in_this_process_gets_its_own_mesh():
