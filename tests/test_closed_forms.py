@@ -10,6 +10,10 @@ The 34 sbh are (§4.1, in units of sbh bytes): attention 11 = its input 2 + Q an
 projection's input 2 + its dropout mask 1; MLP 19 = its input 2 + GELU's input 8 + GELU's output 8 + its
 dropout mask 1; the two LayerNorms' inputs 4. The 5as²b are the softmax output 2, its dropout mask 1 and
 the dropout's output 2 (a·s·s·b each). The paper drops what is O(sb): LayerNorm's mean and 1/std.
+
+Checked to the byte on that block, built here, and on memfit's own GPT (RMSNorm, rotary, SwiGLU, SDPA), whose
+terms differ where its ops differ; with tensor parallelism, where DTensor's sequence parallelism keeps more than
+Megatron's.
 """
 import math
 
@@ -154,3 +158,22 @@ def test_with_flash_attention_the_score_term_goes_and_the_logsumexp_stays(t):
     got = per_layer_activations(Config(micro_batch=B, precision="bf16-pure", tp=t), flash=True)
     sbh = SEQ * B * WIDTH
     assert got == sbh * (34 / t + 4 * (1 - 1 / t)) + 4 * HEADS * SEQ * B // t + layer_norm_stats(SEQ, B) // t
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_memfits_own_gpt_block_follows_the_same_accounting_with_its_terms(t):
+    """memfit's GPT (gpt-tiny: Llama's block) differs from the paper's in four places, each its own term per layer:
+    RMSNorm computed in fp32 keeps its fp32 input copy, the bf16 normalized value and its fp32 1/rms (4 + 2 sbh and
+    4 sb, where LayerNorm keeps a 2 sbh input), twice; SwiGLU keeps gate, silu(gate), up and their product (8·sbf,
+    where a GELU MLP of width f keeps 4·sbf); SDPA (flash on a GPU) keeps q, k, v and its output (after rotary,
+    whose products with the cos/sin tables keep only the tables: 4·s·d bytes, whole on every rank) and a fp32
+    logsumexp; there is no dropout. Attention's and the MLP's inputs (2 sbh each) are held whole under
+    sequence parallelism, as above. Per layer: sbh·(20/t + 4) + 8·sbf/t + (8 + 4a)·sb/t + 4·sd."""
+    from memfit.workloads import builtin
+
+    cfg = builtin("gpt-tiny").model().cfg
+    s, h, f, a, d = cfg.seq, cfg.d_model, cfg.ffn, cfg.heads, cfg.head_dim
+    deep, shallow = (memfit.estimate(builtin("gpt-tiny", layers=n), Config(micro_batch=B, precision="bf16-pure", tp=t),
+                                     device="h100").breakdown["activations"] for n in (3, 2))
+    sb = s * B
+    assert deep - shallow == sb * h * (20 / t + 4) + 8 * sb * f / t + (8 + 4 * a) * sb / t + 4 * s * d
