@@ -66,7 +66,7 @@ def device_mesh(config: Config, device: torch.device) -> DeviceMesh:
         return _MESH[1]
     with unset_fake_temporarily():
         mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
-    _MESH[:] = [key, mesh]  # holds the group, so its id cannot be reused by a later one
+    _MESH[:] = [key, mesh]  # holds the group alive: a later group cannot be this object
     return mesh
 
 

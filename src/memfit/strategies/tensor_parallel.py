@@ -67,8 +67,8 @@ def apply_tensor_parallel(model: torch.nn.Module, config: Config, device: torch.
 
 
 def _mesh(config: Config, device: torch.device) -> DeviceMesh:
-    """The tp axis of the run's mesh (data_parallel.device_mesh): the 1-D mesh of the tp ranks alone, or the
-    inner axis of (shard, tp) beside FSDP2, built once so FSDP2 sees TP's parameters on its own mesh's root."""
+    """The tp axis of the run's mesh (data_parallel.device_mesh, built once and shared with FSDP2): the 1-D
+    mesh of the tp ranks alone, or the inner axis of (shard, tp) beside FSDP2."""
     from memfit.strategies.data_parallel import mesh_axis
 
     if not dist.is_initialized() or dist.get_world_size() != config.world:
