@@ -98,12 +98,8 @@ def trainer_workload(model, args, *, seq_len: int, gpus: int | None = None) -> W
     `max_length`, give the exact figure). Under FSDP (`args.fsdp`) it is rank 0's step and must be traced in a
     process group of `gpus` ranks (`estimate_training_args` makes a fake one)."""
     not_modelled(args, gpus)
-    if args.fsdp and args.gradient_accumulation_steps > 1 and not _syncs_each_batch(args):  # `fit` plans around it
-        raise ConfigError(f"not modelled by memfit for Trainer: fsdp with gradient_accumulation_steps="
-                          f"{args.gradient_accumulation_steps} (Trainer then skips the gradients' reduce-scatter under "
-                          "no_sync and accumulates them unsharded): set accelerator_config={'gradient_accumulation_"
-                          "kwargs': {'sync_each_batch': True}}; no estimate is made for it")
-    return _step(model, args, seq_len, _checkpointing_of(args), _precision_of(args), _sharding(args, gpus))
+    return _step(model, args, seq_len, _checkpointing_of(args), _precision_of(args), _sharding(args, gpus),
+                 accum=args.gradient_accumulation_steps)
 
 
 def _optim_name(args) -> str:
@@ -120,12 +116,15 @@ def _checkpointing_of(args) -> tuple[bool, dict | None]:
 
 
 def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], precision: str,
-          sharding: "Sharding | None" = None, optim: str | None = None) -> Workload:
-    """`trainer_workload` with transformers' activation checkpointing (on, its keywords), the precision and the
-    optimizer's name (None: `args.optim`) given apart from `args`: the planner's candidates are estimated
-    without a TrainingArguments made for each (building one resets Accelerate's process-wide state, a live
-    Trainer's included)."""
+          sharding: "Sharding | None" = None, optim: str | None = None, accum: int = 1) -> Workload:
+    """`trainer_workload` with transformers' activation checkpointing (on, its keywords), the precision, the
+    optimizer's name (None: `args.optim`) and the micro-batches a step (`accum`) given apart from `args`: the
+    planner's candidates are estimated without a TrainingArguments made for each (building one resets
+    Accelerate's process-wide state, a live Trainer's included)."""
     optim = optim or _optim_name(args)
+    # under FSDP Trainer reduces the gradients on the last micro-batch only (`no_sync`), unless sync_each_batch
+    deferred = sharding is not None and accum > 1 and not _syncs_each_batch(args)
+    micro = [0]  # micro-batches since the model was built: the step calls the loss once for each, in order
     transformers = _transformers()
     sft = _is_sft(args)
     base = base_workload(model, _sft_rows(args, seq_len) if sft else seq_len)
@@ -139,6 +138,7 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
 
     def build() -> torch.nn.Module:
         m = base.model()
+        micro[0] = 0
         on, kwargs = checkpointing
         if on:  # as Trainer._inner_training_loop enables it
             kwargs = dict(kwargs or {})
@@ -168,6 +168,9 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
         if "labels" in batch and _accepts_loss_kwargs(m):
             labels = batch["labels"][..., 1:] if _shifts_labels(m) else batch["labels"]
             extra["num_items_in_batch"] = labels.ne(-100).sum()
+        if deferred:  # Accelerate's no_sync for FSDP2: the unsharded gradients accumulate until the last
+            micro[0] += 1
+            m.set_requires_gradient_sync(micro[0] % accum == 0)
         with chunking(1):  # Trainer computes the model's own loss, never memfit's chunked one
             return base.loss(m, {**batch, **extra})
 
@@ -378,8 +381,8 @@ def _sharding(args, gpus: int | None) -> Sharding | None:
 
 
 def _syncs_each_batch(args) -> bool:
-    """Whether Trainer reduces the gradients after every micro-batch (Accelerate's `sync_each_batch`), as memfit's
-    step does, rather than accumulating them under `no_sync` until the last."""
+    """Whether Trainer reduces the gradients after every micro-batch (Accelerate's `sync_each_batch`) rather than
+    keeping them unsharded under `no_sync` until the last (`_step` traces either)."""
     kwargs = getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {}
     return bool(kwargs.get("sync_each_batch"))
 
@@ -638,7 +641,8 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
     def confirm_as(precision: str, optim: str):
         def confirm(config: Config) -> Estimate:
             kw = settings(config.replace(precision=precision))
-            wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding, optim)
+            wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding, optim,
+                       config.grad_accum)
             return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision, optim), dev)
         return confirm
 
@@ -651,10 +655,10 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
     plans, errors = [], []
     for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed) if a in PRECISIONS)]):
         for optim in optims:
-            searched = _step(model, args, seq_len, (False, None), precision, sharding, optim)
+            searched = _step(model, args, seq_len, (False, None), precision, sharding, optim)  # confirm: its accum
             try:
                 with _rank_world(user.gpus):  # the planner traces rank 0 of the run's ranks
-                    found = plan_runnable(searched, user.rank_batch, runs_for(args, sharding), stack="Trainer",
+                    found = plan_runnable(searched, user.rank_batch, runs, stack="Trainer",
                                           confirm=confirm_as(precision, optim), budget=limit, device=dev,
                                           precision=precision if sharding is None else "fp32",
                                           offload_activations=False, offload_optimizer=False)
@@ -671,20 +675,12 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
                 estimate=found.estimate and _with_nccl(found.estimate, as_run(found.config, precision, optim), dev),
                 budget_bytes=found.budget_bytes + nccl, usable_bytes=found.usable_bytes + nccl,
                 peak_bytes=found.peak_bytes + nccl))
+    if not plans and nccl:  # the planner saw the budget less NCCL's share and one rank's batch: say so
+        raise PlanError(f"{errors[0]} (rank 0's step: {fmt_bytes(nccl)} of the budget left to NCCL's "
+                        f"communicators, a rank's share of the global batch)") from errors[0]
     if not plans:
         raise errors[0]
     return min(plans, key=lambda p: p.step_seconds)
-
-
-def runs_for(args, sharding: Sharding | None):
-    """`runs`, and under FSDP without `sync_each_batch` one micro-batch a step (Trainer's no_sync accumulation
-    is not modelled)."""
-    if sharding is None or _syncs_each_batch(args):
-        return runs
-
-    def check(config: Config) -> str | None:
-        return runs(config) or ("accumulation under FSDP without sync_each_batch" if config.grad_accum > 1 else None)
-    return check
 
 
 def _eight_bit_allowed(args, device) -> list[str]:
