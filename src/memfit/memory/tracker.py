@@ -593,9 +593,12 @@ class OpRecorder(_Scoped):
             kind, moved = "view", 0
         elif what == "comm":  # a collective: its bytes are the whole (unsharded) size
             kind = "comm"
-            gathered = args[0] if "allgather" in func.__name__ else args[1] if "reduce_scatter" in func.__name__ \
-                else args[0]
-            moved = sum(t.numel() * t.element_size() for t in _tensors(gathered))
+            if func.namespace == "_c10d_functional":  # DTensor's (input, ..., group size, group name)
+                moved = args[0].numel() * args[0].element_size() * (args[1] if name == "all_gather_into_tensor" else 1)
+            else:
+                gathered = args[0] if "allgather" in func.__name__ else args[1] if "reduce_scatter" in func.__name__ \
+                    else args[0]
+                moved = sum(t.numel() * t.element_size() for t in _tensors(gathered))
         else:
             ins = _tensors((args, kwargs))
             moved = sum(t.numel() * t.element_size() for t in ins + outs)
@@ -634,9 +637,16 @@ class OpRecorder(_Scoped):
 def _op_facts(func) -> tuple[str, str]:
     """What `_record` needs to know of an op that does not change between calls: "view", "comm" (a
     collective), "seeded" (draws random numbers) or "", and its name without the overload."""
-    what = ("view" if getattr(func, "is_view", False) else "comm" if getattr(func, "namespace", "") == "c10d"
+    name = getattr(getattr(func, "_overloadpacket", func), "__name__", str(func))
+    namespace = getattr(func, "namespace", "")
+    what = ("view" if getattr(func, "is_view", False) else
+            "comm" if namespace == "c10d" or namespace == "_c10d_functional" and name in FUNCTIONAL_COLLECTIVES
             else "seeded" if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else "")
-    return what, getattr(getattr(func, "_overloadpacket", func), "__name__", str(func))
+    return what, name
+
+
+# DTensor's collectives (tensor parallelism's), by name: their wait is not one
+FUNCTIONAL_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 
 
 _OP_FACTS: dict = {}

@@ -147,9 +147,11 @@ class OpTable:
                                  dtype=torch.int8)
         self.phase = torch.tensor([PHASES[p] for p in ops.phase], dtype=torch.int8)
         self.cls = torch.tensor([CLASSES.index(_CLASS_OF.get(n, "elementwise")) for n in names], dtype=torch.int8)
-        # collectives: 1 all-gather / reduce-scatter (S (n-1)/n through each rank), 2 all-reduce (twice that)
-        self.collective = torch.tensor([2 if n.startswith("allreduce") else 1 if k == "comm" else 0
-                                        for n, k in zip(names, ops.kind)], dtype=torch.int8)
+        # collectives: 1 all-gather / reduce-scatter (S (n-1)/n through each rank), 2 all-reduce (twice that),
+        # across the data-parallel ranks; 3 and 4 the same within a tensor-parallel group (DTensor's); a pipeline's
+        # sends and receives are priced apart (pipeline_seconds)
+        self.collective = torch.tensor([_collective(n) if k == "comm" else 0 for n, k in zip(names, ops.kind)],
+                                       dtype=torch.int8)
 
     def mask(self, phases: tuple[str, ...]) -> torch.Tensor:
         m = torch.zeros_like(self.phase, dtype=torch.bool)
@@ -218,6 +220,41 @@ def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0, comm:
     return t
 
 
+def _collective(name: str) -> int:
+    if name in ("send", "recv_", "recv_any_source_"):
+        return 0
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        return 3
+    if name == "all_reduce":
+        return 4
+    return 2 if name.startswith("allreduce") else 1
+
+
+def pipeline_seconds(profile: Profile, stage_ops: list, micro_batches: int, comm: "Comm | None" = None,
+                     send_seconds: float = 0.0) -> float:
+    """Predicted wall time of a pipeline step from every stage's traced step (all its micro-batches). 1F1B and
+    GPipe both run n micro-batches through p stages in n + p - 1 slots, each as long as the slowest stage's
+    forward and backward of one micro-batch (its collectives overlapped as `comm` says): the p - 1 extra
+    slots are the bubble. Each slot also waits for its activation or gradient to arrive (`send_seconds`: the
+    schedules block on the receive before computing). Then the slowest stage's optimizer step."""
+    stages = len(stage_ops)
+    slot, update = 0.0, 0.0
+    for ops in stage_ops:
+        table = OpTable(ops)
+        t = phase_seconds(profile, table, ("forward", "backward"))
+        if comm is not None:
+            t = comm.overlapped(t, table)
+        slot = max(slot, t / micro_batches)
+        update = max(update, phase_seconds(profile, table, ("optimizer", "setup")))
+    return (micro_batches + stages - 1) * (slot + send_seconds) + update
+
+
+def send_seconds(links, nbytes: int, inside_node: bool) -> float:
+    """One point-to-point send of `nbytes` between neighbouring stages, at the link's bus bandwidth."""
+    bandwidth = links.within_node if inside_node else links.across_nodes
+    return links.latency + nbytes / bandwidth
+
+
 @dataclasses.dataclass(frozen=True)
 class Comm:
     """Collectives across ranks, priced with an alpha-beta model in NCCL's bus-bandwidth convention
@@ -233,10 +270,21 @@ class Comm:
     gpus: int
     shard: int      # ranks in an all-gather / reduce-scatter group (all for fsdp, a node's for hsdp)
     per_node: int
+    tp: int = 1     # ranks of a tensor-parallel group, within a node: their collectives wait on compute
+
+    def tensor_parallel_seconds(self, table: OpTable, phases: tuple[str, ...] = ("forward", "backward")) -> float:
+        """Seconds of the tensor-parallel collectives in `phases`: each sits between two matmuls that need
+        its result, so none overlaps compute."""
+        sel = table.mask(phases) & (table.collective >= 3)
+        if self.tp == 1 or not bool(sel.any()):
+            return 0.0
+        factor = (table.collective[sel] - 2).to(torch.float64) * (self.tp - 1) / self.tp
+        steps = self.links.latency * math.ceil(math.log2(self.tp))
+        return float((steps + table.bytes[sel] * factor / self.links.within_node).sum())
 
     def op_seconds(self, table: OpTable, phases: tuple[str, ...] = ("forward", "backward")) -> torch.Tensor:
-        """Seconds of each collective in `phases`, in step order."""
-        sel = table.mask(phases) & (table.collective > 0)
+        """Seconds of each collective across data-parallel ranks in `phases`, in step order."""
+        sel = table.mask(phases) & (table.collective > 0) & (table.collective < 3)
         kind, size = table.collective[sel], table.bytes[sel]
         # an all-reduce across ranks is HSDP's across nodes (its replicas); anything else runs in the shard group
         n = torch.where(kind == 2, torch.tensor(self.gpus // self.shard if self.shard < self.gpus else self.gpus),
@@ -248,7 +296,9 @@ class Comm:
                            torch.zeros_like(size))
 
     def overlapped(self, compute: float, table: OpTable) -> float:
-        """A micro-step's time: its compute with its collectives overlapped as the class says."""
+        """A micro-step's time: its compute with its collectives overlapped as the class says (tensor
+        parallelism's added whole)."""
+        compute += self.tensor_parallel_seconds(table)
         each = self.op_seconds(table)
         if not len(each):
             return compute
@@ -261,12 +311,13 @@ def comm_for(dev: Device, config) -> Comm | None:
     figures (a CPU's gloo, V100)."""
     from memfit.memory.devices import links
 
-    if config.gpus == 1:
+    tp = getattr(config, "tp", 1)
+    if config.gpus == 1 and tp == 1:
         return None
     speeds = links(dev)
     if speeds is None:
         return None
-    return Comm(speeds, config.gpus, config.shard_group, config.gpus_per_node or min(config.gpus, 8))
+    return Comm(speeds, config.gpus, config.shard_group, config.gpus_per_node or min(config.gpus, 8), tp)
 
 
 # ------------------------------------------------------------------------------------------ calibration

@@ -515,6 +515,12 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
         return _all_raised(s, failed, dict(options, traced=traced, allow=allow))
     candidates = _candidates(s, families)
     confirmed = _confirm(s, candidates, confirm)
+    if not confirmed and s.gpus > 1 and not s.cpu and s.data_parallel in (None, "fsdp"):
+        from memfit.planner.model_parallel import model_parallel_plan  # needed only here
+
+        found = model_parallel_plan(s, "; ".join(_nothing_hints(s, families, untried=False)))
+        if found is not None:
+            return found
     if not confirmed:
         _nothing_fits(s, families)
     return _choose(s, families, candidates, confirmed[0])
@@ -832,6 +838,12 @@ def _confirm(s: _Search, candidates: list[Candidate], confirm: int) -> list[Cand
 def _nothing_fits(s: _Search, families: dict) -> NoReturn:
     """Raises "nothing fits", with what would: the budget the smallest configuration tried needs, the families
     host_bytes ruled out, and on a GPU the techniques not allowed that may fit (_untried)."""
+    hints = _nothing_hints(s, families)
+    raise PlanError(f"nothing fits in {fmt_bytes(s.budget_bytes)} on {s.dev.name} for a global batch of "
+                    f"{s.global_batch}: {'; '.join(hints)}")
+
+
+def _nothing_hints(s: _Search, families: dict, untried: bool = True) -> list[str]:
     hints = []
     if s.smallest_need:
         name = min(s.smallest_need, key=s.smallest_need.get)
@@ -850,9 +862,8 @@ def _nothing_fits(s: _Search, families: dict) -> NoReturn:
         lean = Config(precision="bf16-pure" if s.bf16_pure_too else s.precisions[0],
                       offload_optimizer=bool(s.offload_optimizer), gpus=s.gpus,
                       data_parallel="fsdp" if s.gpus > 1 else "none")
-        hints += _untried(s, lean)
-    raise PlanError(f"nothing fits in {fmt_bytes(s.budget_bytes)} on {s.dev.name} for a global batch of "
-                    f"{s.global_batch}: {'; '.join(hints)}")
+        hints += _untried(s, lean) if untried else []
+    return hints
 
 
 def _choose(s: _Search, families: dict, candidates: list[Candidate], best: Candidate) -> Plan:

@@ -139,6 +139,7 @@ class Pipeline:
         gc.collect()
         self.engine = None
         self.schedule = None
+        self.handoff_bytes = 0  # what a stage sends on per micro-batch (known at the first step)
 
     # ---------------------------------------------------------------------------------------- the split
 
@@ -225,6 +226,7 @@ class Pipeline:
         n = self.config.grad_accum
         if self.schedule is None:
             handoff = self._handoff_meta(batch, micro_batch)
+            self.handoff_bytes = handoff.numel() * handoff.element_size()
             loss_meta = torch.empty(1, device=self.device, requires_grad=True)
             self.engine = PipelineStage(
                 self.module, self.stage, self.config.pp, self.device,

@@ -1,0 +1,239 @@
+"""Layouts that split the model, for a plan across ranks, searched when data parallelism alone has nothing
+that fits.
+
+FSDP shards weights, gradients and optimizer state, but every rank still runs every block on its whole
+micro-batch: at a long sequence one rank's activations (each block's checkpointed input, a block's working
+set, the logits at the end) outgrow a GPU however many ranks share the state.
+
+- Tensor parallelism (with sequence parallelism, torchtitan's plan) splits every block's matmuls and its
+  checkpointed input over t ranks of a node: the activations shrink by about t.
+- A pipeline splits the blocks over p stages. Under 1F1B stage s holds min(p - s, n) micro-batches of its
+  own blocks, so stage 0 still holds a whole model's worth of one micro-batch's checkpoints; what it moves
+  is the logits (the last stage's alone) and the state of the blocks it does not run.
+
+Each candidate (the rest of the ranks FSDP2 data parallel) is traced on two shallow copies of the model and
+extended along the line through them to the model's depth (the planner's shallow probes' idea: a pipeline's
+copies keep PER_STAGE blocks a stage, a tensor-parallel one `depths` blocks); the fastest that fits is then
+traced whole. Step time: `costmodel.pipeline_seconds` (n + p - 1 slots of the slowest stage, each waiting for
+its send) or the step's own, with tensor parallelism's collectives exposed.
+"""
+from __future__ import annotations
+
+import functools
+
+from memfit.config import Config
+from memfit.errors import ConfigError, WorkloadError
+from memfit.memory.devices import links
+from memfit.memory.estimate import probe
+from memfit.memory.isolate import run_isolated_many
+from memfit.planner.costmodel import comm_for, describe, pipeline_seconds, send_seconds, step_seconds
+from memfit.planner.search import Candidate, Plan, _Search, depths, shallow, stack_depth
+from memfit.units import fmt_bytes
+
+STAGES = (2, 4, 8, 16)
+TENSOR = (2, 4, 8)        # within a node
+PER_STAGE = (2, 4)        # blocks a stage keeps in a pipeline's two shallow copies
+MAX_IN_FLIGHT = 4         # micro-batches a step, at most this many per stage (their trace grows with them)
+CONFIRM = 2               # candidates traced whole, fastest first, until one fits
+MAX_SIZES = 3             # micro-batches tried a layout, smallest first, while they fit
+
+
+def model_parallel_plan(s: _Search, why_not: str) -> Plan | None:
+    """The fastest tensor-parallel or pipeline layout of `s.gpus` ranks that fits, or None (the reasons in
+    `s.notes`). `why_not`: why data parallelism alone does not fit, for the plan's notes."""
+    depth = _depth(s)
+    if depth is None:
+        s.notes.append("tensor-parallel and pipeline layouts not searched: the model's repeated blocks are not one "
+                       "stack of identical blocks")
+        return None
+    options = list(_options(s, depth))
+    if not options:
+        s.notes.append(f"tensor-parallel and pipeline layouts not searched: none of {TENSOR} tensor-parallel ranks "
+                       f"or {STAGES} stages divides the {s.gpus} ranks, the {depth} blocks (at least "
+                       f"{max(PER_STAGE)} a stage) and the batch (a micro-batch for every stage)")
+        return None
+    rates, speeds = s.rates(), links(s.dev)
+    candidates, verdicts = [], []
+    # a layout's micro-batches in rounds, smallest first: a size that does not fit ends its layout
+    groups: dict[tuple, list[Config]] = {}
+    tried: dict[tuple, int] = {}
+    for cfg in options:
+        groups.setdefault((cfg.pp, cfg.tp, cfg.activation_checkpoint), []).append(cfg)
+    while groups:
+        round_ = [cfgs.pop(0) for cfgs in groups.values()]
+        jobs = [functools.partial(_probe_copy, shallow(s.workload, _kept(cfg, k)), _traced(cfg), s.dev)
+                for cfg in round_ for k in _copies(cfg)]
+        results = run_isolated_many(jobs)
+        for i, cfg in enumerate(round_):
+            key = (cfg.pp, cfg.tp, cfg.activation_checkpoint)
+            fitted = _judge(s, cfg, results[2 * i: 2 * i + 2], depth, rates, speeds, verdicts)
+            if fitted is not None:
+                candidates.append(fitted)
+                tried[key] = tried.get(key, 0) + 1
+            if fitted is None or not groups[key] or tried[key] >= MAX_SIZES:
+                groups.pop(key)
+    if not candidates:
+        s.notes.append("no tensor-parallel or pipeline layout fits either")
+        s.verdicts += verdicts
+        return None
+    candidates.sort(key=lambda c: c.step_seconds)
+    best = _confirm(s, candidates, verdicts, rates, speeds)
+    if best is None:
+        s.notes.append("no tensor-parallel or pipeline layout fits either: those predicted to fit did not when "
+                       "traced whole")
+        s.verdicts += verdicts
+        return None
+    k1, k2 = _copies(best.config)
+    s.notes.append(f"data parallelism alone does not fit ({why_not}): tensor-parallel and pipeline layouts searched, "
+                   f"each traced on copies of {_kept(best.config, k1)} and {_kept(best.config, k2)} blocks and "
+                   f"extended to {depth}; the plan then traced whole")
+    if best.config.pp > 1:
+        stages = ", ".join(fmt_bytes(st["device_peak_bytes"] or st["peak_bytes"]) for st in best.estimate.stages)
+        s.notes.append(f"1F1B: stage s holds min({best.config.pp} - s, {best.config.grad_accum}) micro-batches' "
+                       f"activations and only the last stage the logits (the stages' peaks: {stages}); the bubble "
+                       f"is {best.config.pp - 1} slots of {best.config.grad_accum + best.config.pp - 1}")
+    if best.config.tp > 1:
+        s.notes.append(f"tensor parallel over {best.config.tp} ranks of a node: every block's matmuls and its "
+                       "checkpointed input split; its collectives priced on NVLink, none overlapped with compute")
+    verdicts.insert(0, (_name(best.config), f"chosen at micro-batch {best.config.micro_batch}"))
+    others = [c for c in candidates if c is not best]
+    for c in others:
+        verdicts.append((_name(c.config), f"predicted to fit, {c.step_seconds / best.step_seconds:.2f}x slower "
+                                          f"(micro-batch {c.config.micro_batch})"))
+    return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
+                peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
+                samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate, alternatives=others[:5],
+                families=verdicts + s.verdicts, profile_source=describe(rates), notes=s.notes, confirmed=True)
+
+
+def _judge(s: _Search, cfg: Config, got: list, depth: int, rates, speeds, verdicts: list) -> Candidate | None:
+    """A candidate from its two copies' traces, or None with the reason in `verdicts`."""
+    if any(kind != "ok" for kind, _ in got):
+        error = next(value for kind, value in got if kind != "ok")
+        if not isinstance(error, (ConfigError, WorkloadError)):
+            raise error
+        verdict = (_name(cfg), f"cannot apply: {error}")
+        if verdict not in verdicts:
+            verdicts.append(verdict)
+        return None
+    (_, a), (_, b) = got
+    k1, k2 = _copies(cfg)
+    blocks = depth // cfg.pp
+    peaks = [round(_extend(x, y, k1, k2, blocks)) for x, y in zip(a["peaks"], b["peaks"])]
+    peak = max(peaks)
+    if peak > s.usable:
+        where = f"stage {peaks.index(peak)} " if cfg.pp > 1 else ""
+        verdicts.append((_name(cfg), f"does not fit: {where}over by {fmt_bytes(peak - s.usable)} at micro-batch "
+                                     f"{cfg.micro_batch}"))
+        return None
+    seconds = _extend(_seconds(s, cfg, a, rates, speeds), _seconds(s, cfg, b, rates, speeds), k1, k2, blocks)
+    return Candidate(config=cfg, peak_bytes=peak, step_seconds=seconds)
+
+
+def _copies(cfg: Config) -> tuple[int, int]:
+    """Blocks a stage (a pipeline) or the model (tensor parallel) keeps in the two shallow copies."""
+    return PER_STAGE if cfg.pp > 1 else depths(cfg.gpus * cfg.tp)
+
+
+def _kept(cfg: Config, k: int) -> int:
+    return k * cfg.pp
+
+
+def _traced(cfg: Config) -> Config:
+    """What a copy traces: a pipeline every micro-batch (the schedule needs them), else two, the rest like
+    the second (`full_probe`)."""
+    return cfg if cfg.pp > 1 else cfg.replace(grad_accum=min(cfg.grad_accum, 2))
+
+
+def _seconds(s: _Search, cfg: Config, traced: dict, rates, speeds) -> float:
+    if cfg.pp > 1:
+        return pipeline_seconds(rates, traced["ops"], cfg.grad_accum, comm_for(s.dev, cfg),
+                                _wait(cfg, traced["handoff_bytes"], speeds))
+    return step_seconds(rates, traced["ops"][0], cfg.grad_accum / min(cfg.grad_accum, 2), comm_for(s.dev, cfg))
+
+
+def _confirm(s: _Search, candidates: list[Candidate], verdicts: list, rates, speeds) -> Candidate | None:
+    """The fastest candidate that fits when traced whole (every stage), its figures replaced by the trace's;
+    at most CONFIRM tried. A candidate that does not is said so in `verdicts`."""
+    for c in candidates[:CONFIRM]:
+        (kind, p), = run_isolated_many([functools.partial(probe, s.workload, _traced(c.config), s.dev, False)],
+                                       workers=1)
+        if kind != "ok":
+            raise p
+        traced = {"ops": p.stage_ops or [p.ops], "handoff_bytes": p.handoff_bytes}
+        peak = max(st["device_peak_bytes"] or st["peak_bytes"]
+                   for st in p.estimate.stages or [dict(device_peak_bytes=p.estimate.device_peak_bytes,
+                                                        peak_bytes=p.estimate.peak_bytes)])
+        if peak > s.usable:
+            verdicts.append((_name(c.config), f"predicted to fit, but traced whole needs {fmt_bytes(peak)}"))
+            continue
+        c.peak_bytes, c.estimate, c.confirmed = peak, p.estimate, True
+        c.step_seconds = _seconds(s, c.config, traced, rates, speeds)
+        return c
+    return None
+
+
+def _wait(cfg: Config, nbytes: int, speeds) -> float:
+    """A slot's wait for its activation and its gradient: neighbouring stages' ranks are `gpus` apart."""
+    if speeds is None:
+        return 0.0
+    return 2 * send_seconds(speeds, nbytes, inside_node=cfg.gpus < (cfg.gpus_per_node or 8))
+
+
+def _name(cfg: Config) -> str:
+    split = f"{cfg.pp} stages" if cfg.pp > 1 else f"tensor parallel {cfg.tp}"
+    return f"{split} x {cfg.gpus} {cfg.data_parallel if cfg.gpus > 1 else 'rank'}, {cfg.precision}, " \
+           f"checkpointing {cfg.activation_checkpoint}"
+
+
+def _extend(short, tall, k1: int, k2: int, blocks: int) -> float:
+    """The line through a figure at k1 and k2 blocks (a stage's), at `blocks`."""
+    return short + (blocks - k1) * (tall - short) / (k2 - k1)
+
+
+def _depth(s: _Search) -> int | None:
+    from memfit.memory.fake import FakeBuild, new_fake_mode
+
+    try:
+        with new_fake_mode() as mode, FakeBuild(mode):
+            return stack_depth(s.workload.model())
+    except Exception:  # noqa: BLE001 - a model a plain fake build cannot make is not split
+        return None
+
+
+def _options(s: _Search, depth: int):
+    """Every layout to price: tensor-parallel ranks (within a node) and stage counts that divide the ranks and
+    the blocks, micro-batches that split each replica's batch (a pipeline: one for every stage, at most
+    MAX_IN_FLIGHT a stage), checkpointing as fixed or every block's and none."""
+    checkpoints = [s.activation_checkpoint] if s.activation_checkpoint is not None else ["all", "none"]
+    layouts = [(1, t) for t in TENSOR if t <= (s.gpus_per_node or 8) and depth >= depths(s.gpus)[1]]
+    layouts += [(p, 1) for p in STAGES if depth % p == 0 and depth // p >= max(PER_STAGE)]
+    for pp, tp in layouts:
+        if s.gpus % (pp * tp):
+            continue
+        dp = s.gpus // (pp * tp)
+        if s.global_batch % dp:
+            continue
+        replica = s.global_batch // dp
+        for m in range(1, replica + 1):
+            n = replica // m
+            if replica % m or (s.micro_batch and m != s.micro_batch):
+                continue
+            if pp > 1 and not pp <= n <= MAX_IN_FLIGHT * pp:
+                continue
+            for ck in checkpoints:
+                try:
+                    yield Config(micro_batch=m, grad_accum=n, precision=s.precisions[0], activation_checkpoint=ck,
+                                 gpus=dp, data_parallel="fsdp" if dp > 1 else "none", pp=pp, tp=tp)
+                except ConfigError:
+                    continue
+
+
+def _probe_copy(workload, config: Config, dev) -> dict:
+    """A copy's device peak (each stage's), ops (each stage's) and a pipeline's handoff size, traced on fake
+    tensors (in a forked child)."""
+    p = probe(workload, config, dev, isolate=False)
+    e = p.estimate
+    stages = e.stages or [{"device_peak_bytes": e.device_peak_bytes, "peak_bytes": e.peak_bytes}]
+    return {"peaks": [st["device_peak_bytes"] or st["peak_bytes"] for st in stages],
+            "ops": p.stage_ops or [p.ops], "handoff_bytes": p.handoff_bytes}

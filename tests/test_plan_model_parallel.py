@@ -1,0 +1,50 @@
+"""The planner's tensor-parallel and pipeline layouts: searched when data parallelism alone does not fit."""
+import functools
+
+import pytest
+
+import memfit
+from memfit.memory.devices import get_device
+from memfit.memory.estimate import probe
+from memfit.planner.costmodel import OpTable, pipeline_seconds, phase_seconds, profile_for
+from memfit.planner.model_parallel import model_parallel_plan
+from memfit.planner.search import _Search
+from memfit.workloads import builtin
+
+
+def _long_sequence():
+    """Activations decide: a long sequence, a small vocabulary (no logits to chunk away)."""
+    return builtin("gpt-tiny", layers=8, seq=16384, d_model=256, heads=4, kv_heads=4, ffn=1024, vocab=256)
+
+
+def test_where_data_parallelism_does_not_fit_a_split_layout_is_chosen_and_traced_whole():
+    """At 4 H100s and a budget under FSDP2's leanest step (every block checkpointed, micro-batch 1: 2.21 GB on
+    this model), tensor parallelism (which splits every block's checkpointed input) fits; the plan is the
+    fastest candidate that fits when traced whole, and its figure is that trace's, to the byte."""
+    dev = get_device("h100")
+    s = _Search(_long_sequence(), 8, dev, frozenset(), budget_bytes=2_200_000_000, host_bytes=None,
+                rates=functools.cache(lambda: profile_for(dev)), gpus=4, activation_checkpoint="all", micro_batch=1)
+    plan = model_parallel_plan(s, "FSDP's leanest needs 2.22 GiB")
+    cfg = plan.config
+    assert cfg.tp > 1 or cfg.pp > 1
+    assert cfg.world == 4 and cfg.global_batch == 8 and plan.confirmed
+    whole = memfit.estimate(_long_sequence(), cfg, "h100")
+    used = max(st["device_peak_bytes"] for st in whole.stages) if whole.stages else whole.device_peak_bytes
+    assert plan.peak_bytes == used <= s.usable
+    assert any("data parallelism alone does not fit (FSDP's leanest needs 2.22 GiB)" in n for n in plan.notes)
+    lean = memfit.estimate(_long_sequence(), memfit.Config(micro_batch=1, grad_accum=2, precision="bf16",
+                                                           activation_checkpoint="all", gpus=4, data_parallel="fsdp"),
+                           "h100")
+    assert lean.device_peak_bytes > s.usable  # the premise: FSDP alone does not fit
+
+
+def test_a_pipeline_step_is_its_slowest_stage_over_n_plus_p_minus_1_slots():
+    """GPipe and 1F1B both take n + p - 1 slots of the slowest stage's forward and backward of one micro-batch,
+    each waiting for its send, then the slowest stage's optimizer step."""
+    p = probe(builtin("gpt-tiny", layers=4), memfit.Config(micro_batch=2, grad_accum=4, pp=2), "h100", isolate=False)
+    rates = profile_for(get_device("h100"))
+    tables = [OpTable(ops) for ops in p.stage_ops]
+    slot = max(phase_seconds(rates, t, ("forward", "backward")) for t in tables) / 4
+    update = max(phase_seconds(rates, t, ("optimizer", "setup")) for t in tables)
+    assert pipeline_seconds(rates, p.stage_ops, 4, send_seconds=1e-4) == pytest.approx((4 + 1) * (slot + 1e-4) + update)
+    assert p.handoff_bytes == 2 * 64 * 64 * 4  # micro-batch x seq x hidden, fp32
