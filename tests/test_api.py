@@ -9,13 +9,15 @@ from pathlib import Path
 import torch
 
 import memfit
+from memfit.strategies.pipeline_parallel import _Handoff
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
 # raised on purpose though not a MemfitError: Ctrl-C stays Ctrl-C, and the virtual budget's OOM is the one
 # that OOM recovery and users' code already catch
 # (and a module's __getattr__ must raise AttributeError for a name it lacks: Python's protocol)
 ALLOWED = {KeyboardInterrupt: None, torch.OutOfMemoryError: "memfit.memory.tracker",
-           AttributeError: "memfit.integrations.transformers"}
+           AttributeError: "memfit.integrations.transformers",
+           _Handoff: "memfit.strategies.pipeline_parallel"}  # control flow inside a stage's forward, caught there
 
 
 def test_the_public_surface_is_small_and_importable():

@@ -48,7 +48,8 @@ def stage_blocks(blocks: int, stages: int) -> list[range]:
 
 
 class _Handoff(Exception):
-    """Raised by the hook after a stage's last block: ends the stage's forward with the block's output."""
+    """Raised by the hook after a stage's last block: ends the stage's forward with the block's output.
+    Control flow, caught by `_Stage.forward`: it never leaves the stage."""
 
     def __init__(self, hidden: torch.Tensor):
         super().__init__()
@@ -70,7 +71,8 @@ class _Elsewhere(torch.nn.Module):
         self.name = name
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"pipeline stage: {self.name} belongs to the last stage but ran on an earlier one")
+        raise ConfigError(f"pipeline parallelism: {self.name} runs after the repeated blocks on the last stage, but "
+                          "this model's forward ran it before an earlier stage's last block: not split yet")
 
 
 class _EmbeddingStandIn(torch.nn.Module):
