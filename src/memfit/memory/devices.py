@@ -198,27 +198,39 @@ def links(dev: Device) -> Links | None:
     return _LINKS.get(dev.name, _PCIE_LINKS)
 
 
-def nccl_communicators(dev: Device, gpus: int, layout: str, gpus_per_node: int | None) -> tuple[int, int]:
+def nccl_communicators(dev: Device, gpus: int, layout: str, gpus_per_node: int | None, tp: int = 1,
+                       pp: int = 1) -> tuple[int, int]:
     """The NCCL communicators one rank holds for a layout, and how many of them span nodes: one for the
     whole world (ddp and fsdp all-reduce, gather and reduce in the default group, which a 1-D device mesh
     over every rank reuses); hsdp adds its 2-D mesh's two groups, the replicas across nodes and the shard
     group within one. NCCL creates each at its first collective; every layout makes one in the default group
-    (the loss is all-reduced there)."""
-    if gpus == 1:
+    (the loss is all-reduced there). Tensor parallelism adds its group, within a node, unless it spans every
+    rank; beside data parallelism a mesh's data-parallel axis is a group of its own; a pipeline stage adds a
+    point-to-point communicator per neighbouring stage (two in the middle), its neighbours `gpus * tp` ranks
+    away. Each is counted at the catalogue's per-communicator figure (none is measured for two-rank ones)."""
+    world = gpus * tp * pp
+    if world == 1:
         return 0, 0
     speeds = links(dev)
-    per_node = gpus_per_node or min(gpus, speeds.node_gpus if speeds else 8)
-    spans = gpus > per_node
+    per_node = gpus_per_node or min(world, speeds.node_gpus if speeds else 8)
+    spans = world > per_node
     if layout == "hsdp":
         return 3, 2 * spans  # the world and the replicas span nodes; the shard group is one node
-    return 1, int(spans)
+    count, spanning = 1, int(spans)
+    if tp > 1 or pp > 1:
+        shard = gpus > 1  # the mesh's data-parallel axis: a group of its own
+        count += shard + (1 < tp < world) + (pp > 1) * min(2, pp - 1)  # a TP group of every rank is the world
+        spanning += shard and gpus * tp > per_node
+        spanning += (pp > 1) * min(2, pp - 1) * (gpus * tp >= per_node)
+    return count, spanning
 
 
-def nccl_bytes(dev: Device, gpus: int, layout: str, gpus_per_node: int | None) -> int | None:
+def nccl_bytes(dev: Device, gpus: int, layout: str, gpus_per_node: int | None, tp: int = 1,
+               pp: int = 1) -> int | None:
     """Device memory NCCL holds on each rank outside PyTorch's allocator (Links.nccl_bytes per communicator,
     and the network buffer of each that spans nodes); None where the catalogue has no figure (V100)."""
     speeds = links(dev)
-    count, spanning = nccl_communicators(dev, gpus, layout, gpus_per_node)
+    count, spanning = nccl_communicators(dev, gpus, layout, gpus_per_node, tp, pp)
     if count and speeds is None:
         return None
     return count * speeds.nccl_bytes + spanning * speeds.nccl_net_bytes if count else 0

@@ -242,7 +242,7 @@ def outside_tensors(dev: Device, config: Config) -> int:
     NCCL's communicators (none on a CPU)."""
     if dev.kind != "cuda":
         return 0
-    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node) or 0
+    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node, config.tp, config.pp) or 0
     return dev.context_bytes + dev.cublas_workspace_bytes + nccl
 
 
@@ -438,8 +438,8 @@ def _step_notes(workload: Workload, step: TrainStep, config: Config, cuda_target
         notes.append(f"per rank: rank 0 of {config.world}, tensor parallel over {config.tp} (DTensor: q/k/v and MLP "
                      "gate/up split by output, attention and MLP outputs by input and reduce-scattered; norms "
                      "sequence-parallel; whole logits on every rank), traced with a fake process group")
-        notes.append("not counted: " + ("NCCL's communicator for the tensor-parallel group" if cuda_target else
-                                        "what gloo allocates on its own threads while a collective runs"))
+        if not cuda_target:
+            notes.append("not counted: what gloo allocates on its own threads while a collective runs")
     if cuda_target:
         notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                      "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "
@@ -749,15 +749,16 @@ def _add_cuda_figures(est: Estimate, tracker: LiveBytes, dev: Device, config: Co
     est.device_peak_bytes = est.peak_reserved_bytes + dev.context_bytes
     est.notes.append(f"CUDA context and library handles assumed {dev.context_bytes / 2**20:.0f} MiB "
                      f"(catalogue figure for {dev.name}, outside PyTorch's allocator)")
-    if config.gpus == 1:
+    if config.world == 1:
         return
-    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node)
+    nccl = nccl_bytes(dev, config.gpus, config.data_parallel, config.gpus_per_node, config.tp, config.pp)
     if nccl is None:
         est.notes.append(f"not counted: NCCL's communicator buffers (no catalogue figure for {dev.name})")
         return
     est.device_peak_bytes += nccl
     est.nccl_bytes = nccl
-    count, spanning = nccl_communicators(dev, config.gpus, config.data_parallel, config.gpus_per_node)
+    count, spanning = nccl_communicators(dev, config.gpus, config.data_parallel, config.gpus_per_node, config.tp,
+                                         config.pp)
     est.notes.append(f"NCCL assumed {nccl / 2**20:,.0f} MiB outside PyTorch's allocator: {count} communicator(s)"
                      + (f", {spanning} across nodes" if spanning else "") + " (catalogue figures, devices.Links)")
 

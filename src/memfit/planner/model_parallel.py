@@ -19,6 +19,7 @@ its send) or the step's own, with tensor parallelism's collectives exposed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from memfit.config import Config
@@ -26,8 +27,8 @@ from memfit.errors import ConfigError, WorkloadError
 from memfit.memory.devices import links
 from memfit.memory.estimate import probe
 from memfit.memory.isolate import run_isolated_many
-from memfit.planner.costmodel import comm_for, describe, pipeline_seconds, send_seconds, step_seconds
-from memfit.planner.search import Candidate, Plan, _Search, depths, shallow, stack_depth
+from memfit.planner.copies import depths, shallow, stack_depth
+from memfit.planner.costmodel import comm_for, pipeline_seconds, send_seconds, step_seconds
 from memfit.units import fmt_bytes
 
 STAGES = (2, 4, 8, 16)
@@ -38,9 +39,20 @@ CONFIRM = 2               # candidates traced whole, fastest first, until one fi
 MAX_SIZES = 3             # micro-batches tried a layout, smallest first, while they fit
 
 
-def model_parallel_plan(s: _Search, why_not: str) -> Plan | None:
-    """The fastest tensor-parallel or pipeline layout of `s.gpus` ranks that fits, or None (the reasons in
-    `s.notes`). `why_not`: why data parallelism alone does not fit, for the plan's notes."""
+@dataclasses.dataclass
+class Split:
+    """A layout that splits the model, as the plan lists it."""
+    config: Config
+    peak_bytes: int
+    step_seconds: float
+    confirmed: bool = False
+    estimate: object = None
+
+
+def model_parallel(s, why_not: str) -> tuple[Split, list[Split], list] | None:
+    """The fastest tensor-parallel or pipeline layout of `s.gpus` ranks that fits (traced whole), the others
+    predicted to fit, and a verdict for each layout tried; None when none fits (the reasons in `s.notes`).
+    `s`: the planner's request (search._Search); `why_not`: why data parallelism alone does not fit."""
     depth = _depth(s)
     if depth is None:
         s.notes.append("tensor-parallel and pipeline layouts not searched: the model's repeated blocks are not one "
@@ -100,13 +112,10 @@ def model_parallel_plan(s: _Search, why_not: str) -> Plan | None:
     for c in others:
         verdicts.append((_name(c.config), f"predicted to fit, {c.step_seconds / best.step_seconds:.2f}x slower "
                                           f"(micro-batch {c.config.micro_batch})"))
-    return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
-                peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
-                samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate, alternatives=others[:5],
-                families=verdicts + s.verdicts, profile_source=describe(rates), notes=s.notes, confirmed=True)
+    return best, others, verdicts
 
 
-def _judge(s: _Search, cfg: Config, got: list, depth: int, rates, speeds, verdicts: list) -> Candidate | None:
+def _judge(s, cfg: Config, got: list, depth: int, rates, speeds, verdicts: list) -> Split | None:
     """A candidate from its two copies' traces, or None with the reason in `verdicts`."""
     if any(kind != "ok" for kind, _ in got):
         error = next(value for kind, value in got if kind != "ok")
@@ -127,7 +136,7 @@ def _judge(s: _Search, cfg: Config, got: list, depth: int, rates, speeds, verdic
                                      f"{cfg.micro_batch}"))
         return None
     seconds = _extend(_seconds(s, cfg, a, rates, speeds), _seconds(s, cfg, b, rates, speeds), k1, k2, blocks)
-    return Candidate(config=cfg, peak_bytes=peak, step_seconds=seconds)
+    return Split(config=cfg, peak_bytes=peak, step_seconds=seconds)
 
 
 def _copies(cfg: Config) -> tuple[int, int]:
@@ -145,14 +154,14 @@ def _traced(cfg: Config) -> Config:
     return cfg if cfg.pp > 1 else cfg.replace(grad_accum=min(cfg.grad_accum, 2))
 
 
-def _seconds(s: _Search, cfg: Config, traced: dict, rates, speeds) -> float:
+def _seconds(s, cfg: Config, traced: dict, rates, speeds) -> float:
     if cfg.pp > 1:
         return pipeline_seconds(rates, traced["ops"], cfg.grad_accum, comm_for(s.dev, cfg),
                                 _wait(cfg, traced["handoff_bytes"], speeds))
     return step_seconds(rates, traced["ops"][0], cfg.grad_accum / min(cfg.grad_accum, 2), comm_for(s.dev, cfg))
 
 
-def _confirm(s: _Search, candidates: list[Candidate], verdicts: list, rates, speeds) -> Candidate | None:
+def _confirm(s, candidates: list[Split], verdicts: list, rates, speeds) -> Split | None:
     """The fastest candidate that fits when traced whole (every stage), its figures replaced by the trace's;
     at most CONFIRM tried. A candidate that does not is said so in `verdicts`."""
     for c in candidates[:CONFIRM]:
@@ -191,7 +200,7 @@ def _extend(short, tall, k1: int, k2: int, blocks: int) -> float:
     return short + (blocks - k1) * (tall - short) / (k2 - k1)
 
 
-def _depth(s: _Search) -> int | None:
+def _depth(s) -> int | None:
     from memfit.memory.fake import FakeBuild, new_fake_mode
 
     try:
@@ -201,7 +210,7 @@ def _depth(s: _Search) -> int | None:
         return None
 
 
-def _options(s: _Search, depth: int):
+def _options(s, depth: int):
     """Every layout to price: tensor-parallel ranks (within a node) and stage counts that divide the ranks and
     the blocks, micro-batches that split each replica's batch (a pipeline: one for every stage, at most
     MAX_IN_FLIGHT a stage), checkpointing as fixed or every block's and none."""

@@ -32,9 +32,10 @@ from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, P
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.memory.trace_cache import run_cached_many
+from memfit.planner.copies import depths, shallow, stack_depth
+from memfit.planner.model_parallel import model_parallel
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
                                       step_seconds)
-from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
 
@@ -279,48 +280,6 @@ class _AtCount:
 DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
 
 
-def depths(gpus: int) -> tuple[int, int]:
-    """The blocks the two shallow copies keep. Across ranks 4 and 8: from 4 on, FSDP's gathered, prefetched and
-    reducing units are as many as at any depth (copies of 2 and 4 blocks put a 70B's backward at 93 GiB where
-    the whole model holds 32). One GPU's step has no such units: 2 and 4 blocks rank its families as 4 and 8
-    do (the same plans for the 8B and 7B benchmarks) at half the tracing."""
-    return (2, 4) if gpus == 1 else (4, 8)
-
-
-def stack_depth(model: torch.nn.Module) -> int | None:
-    """How many identical repeated blocks `model` has in one ModuleList (same class, parameter names, shapes
-    and dtypes), when its repeated blocks are that list's children; None for any other arrangement (blocks
-    that differ, as MoE models with dense first layers have, or in several containers)."""
-    blocks = find_blocks(model)
-    parents = {name.rpartition(".")[0] for name in blocks}
-    if len(parents) != 1:
-        return None
-    container = model.get_submodule(parents.pop())
-    if not isinstance(container, torch.nn.ModuleList) or len(container) != len(blocks):
-        return None
-    shapes = {tuple((n, tuple(p.shape), p.dtype) for n, p in b.named_parameters()) for b in container}
-    return len(container) if len(shapes) == 1 and len({type(b) for b in container}) == 1 else None
-
-
-def shallow(workload: Workload, keep: int) -> Workload:
-    """`workload` with the first `keep` of its repeated blocks (stack_depth's); the planner's cheap copy. A
-    factory that builds fewer blocks itself (`with_blocks`: transformers' configs) is asked first, and its
-    model used where it has `keep` identical blocks; else the whole model is built and the rest cut."""
-    build = workload.model
-    fewer = getattr(build, "with_blocks", None)
-
-    def model() -> torch.nn.Module:
-        m = fewer(keep) if fewer is not None else None
-        if m is not None and stack_depth(m) == keep:
-            return m
-        m = build()
-        blocks = find_blocks(m)
-        del m.get_submodule(blocks[0].rpartition(".")[0])[keep:]
-        return m
-
-    return dataclasses.replace(workload, model=model)
-
-
 def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list[tuple]]:
     """The model's stack depth (None: not probed shallow) and each state's floors (state_parts: on the device,
     on the host, the gradients' share of the first): for a deep model from two shallow copies, the line through
@@ -516,11 +475,14 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     candidates = _candidates(s, families)
     confirmed = _confirm(s, candidates, confirm)
     if not confirmed and s.gpus > 1 and not s.cpu and s.data_parallel in (None, "fsdp"):
-        from memfit.planner.model_parallel import model_parallel_plan  # needed only here
-
-        found = model_parallel_plan(s, "; ".join(_nothing_hints(s, families, untried=False)))
+        found = model_parallel(s, "; ".join(_nothing_hints(s, families, untried=False)))
         if found is not None:
-            return found
+            best, others, verdicts = found
+            return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
+                        peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
+                        samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate,
+                        alternatives=others[:5], families=verdicts + s.verdicts, profile_source=describe(s.rates()),
+                        notes=s.notes, confirmed=True)
     if not confirmed:
         _nothing_fits(s, families)
     return _choose(s, families, candidates, confirmed[0])

@@ -184,7 +184,10 @@ def plan_view(plan) -> Group:
     rows = family_rows(plan.families)
     for row in rows:
         fams.add_row(*row)
-    parts = [head, alts, Text("* predicted from probes, not confirmed by a full estimate", style="dim"), fams]
+    parts = [head] + ([alts] if plan.alternatives else [])
+    if any(not c.confirmed for c in plan.alternatives):
+        parts.append(Text("* predicted from probes, not confirmed by a full estimate", style="dim"))
+    parts.append(fams)
     if len(rows) < len(plan.families):
         parts.append(Text("each family's own verdict: the same command with --json (families)", style="dim"))
     parts += [Text(f"note: {n}", style="dim") for n in plan.notes + [f"step times: {plan.profile_source}"]]
