@@ -1,7 +1,7 @@
-"""A 70B model at a long sequence over 64 and 512 H100s: the plan memfit makes where data parallelism alone
-does not fit, and why.
+"""A 70B model over 64 and 512 H100s with a global batch smaller than the GPUs: the plan memfit makes where data
+parallelism alone cannot use the ranks, and why.
 
-    python benchmarks/plan_model_parallel.py [--seq 65536] [--gpus 64,512] [--global-batch 512]
+    python benchmarks/plan_model_parallel.py [--seq 8192] [--cases 64:32,512:64]   (GPUs:global batch)
 
 The model is Llama 3 70B's shape as memfit's GPT (80 blocks, hidden 8192, 64 heads, 8 key/value heads, FFN
 28672, vocabulary 128256), bf16, planned on fake tensors. Results: results/plan_model_parallel.json, rendered
@@ -29,17 +29,17 @@ def llama_70b(seq: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=65536)
-    ap.add_argument("--gpus", default="64,512")
-    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--cases", default="64:32,512:64")
     args = ap.parse_args()
     rows = []
-    for gpus in [int(g) for g in args.gpus.split(",")]:
+    for case in args.cases.split(","):
+        gpus, global_batch = (int(x) for x in case.split(":"))
         start = time.perf_counter()
-        p = plan(llama_70b(args.seq), args.global_batch, device="h100", gpus=gpus)
+        p = plan(llama_70b(args.seq), global_batch, device="h100", gpus=gpus)
         seconds = time.perf_counter() - start
         stages = [st["device_peak_bytes"] for st in (p.estimate.stages or [])] if p.estimate else []
-        row = dict(gpus=gpus, seq=args.seq, global_batch=args.global_batch, chosen=p.config.describe(),
+        row = dict(gpus=gpus, seq=args.seq, global_batch=global_batch, chosen=p.config.describe(),
                    config=p.config.to_dict(), peak_bytes=p.peak_bytes, stage_peaks=stages,
                    step_seconds=p.step_seconds, samples_per_second=p.samples_per_second, plan_seconds=seconds,
                    families=[list(f) for f in p.families], notes=p.notes)

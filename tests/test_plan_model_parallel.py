@@ -48,3 +48,13 @@ def test_a_pipeline_step_is_its_slowest_stage_over_n_plus_p_minus_1_slots():
     update = max(phase_seconds(rates, t, ("optimizer", "setup")) for t in tables)
     assert pipeline_seconds(rates, p.stage_ops, 4, send_seconds=1e-4) == pytest.approx((4 + 1) * (slot + 1e-4) + update)
     assert p.handoff_bytes == 2 * 64 * 64 * 4  # micro-batch x seq x hidden, fp32
+
+
+def test_a_global_batch_too_small_for_the_ranks_is_planned_tensor_parallel():
+    """One sequence cannot split over 2 data-parallel ranks; split over 2 tensor-parallel ranks it uses both."""
+    from memfit.planner.search import plan
+
+    result = plan(_long_sequence(), 1, device="h100", gpus=2, activation_checkpoint="all")
+    assert result.config.tp == 2 and result.config.world == 2 and result.config.global_batch == 1
+    assert any("data parallelism alone does not fit (global batch 1 does not split into 2 ranks)" in n
+               for n in result.notes)

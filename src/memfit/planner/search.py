@@ -461,13 +461,24 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
                    data_parallel=data_parallel, gpus_per_node=gpus_per_node, host_memory=host_memory)
     if allowed & {"lora", "qlora"} and "+lora:" not in workload.name:
         return _full_or_lora(workload, global_batch, allowed, options)
-    layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
+    split_only = None  # why data parallelism alone cannot use the ranks (splitting the model may)
+    try:
+        layouts = _layouts(dev, gpus, data_parallel, gpus_per_node, global_batch, micro_batch)
+    except ConfigError as e:
+        if not (str(e).startswith("global batch") and data_parallel in (None, "fsdp") and dev.kind != "cpu"):
+            raise
+        layouts, split_only = [], e
     s = _Search(workload, global_batch, dev, allowed, budget_bytes=resolve_budget(budget, dev),
                 host_bytes=parse_size(host_memory) if host_memory is not None else None,
                 rates=functools.cache(lambda: profile or profile_for(dev)), precision=precision,
                 micro_batch=micro_batch, activation_checkpoint=activation_checkpoint,
                 offload_activations=offload_activations, offload_optimizer=offload_optimizer, gpus=gpus,
                 data_parallel=data_parallel, gpus_per_node=gpus_per_node)
+    if split_only:  # the ranks can still be used by splitting the model
+        found = _split_plan(s, str(split_only), {})
+        if found is None:
+            raise ConfigError(f"{split_only}; no tensor-parallel or pipeline layout fits either: {s.notes[-1]}")
+        return found
     bases, floors, depth = _floors(s, _search_space(s, layouts))
     families, failed = _probes(s, bases, floors, depth, traced)
     if failed and not families:
@@ -475,17 +486,26 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
     candidates = _candidates(s, families)
     confirmed = _confirm(s, candidates, confirm)
     if not confirmed and s.gpus > 1 and not s.cpu and s.data_parallel in (None, "fsdp"):
-        found = model_parallel(s, "; ".join(_nothing_hints(s, families, untried=False)))
+        found = _split_plan(s, "; ".join(_nothing_hints(s, families, untried=False)), families)
         if found is not None:
-            best, others, verdicts = found
-            return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
-                        peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
-                        samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate,
-                        alternatives=others[:5], families=verdicts + s.verdicts, profile_source=describe(s.rates()),
-                        notes=s.notes, confirmed=True)
+            return found
     if not confirmed:
         _nothing_fits(s, families)
     return _choose(s, families, candidates, confirmed[0])
+
+
+def _split_plan(s: _Search, why_not: str, families: dict) -> Plan | None:
+    """A plan of the fastest tensor-parallel or pipeline layout that fits (planner/model_parallel.py), or None."""
+    found = model_parallel(s, why_not)
+    if found is None:
+        return None
+    best, others, verdicts = found
+    return Plan(config=best.config, device=s.dev.name, budget_bytes=s.budget_bytes, usable_bytes=s.usable,
+                peak_bytes=best.peak_bytes, step_seconds=best.step_seconds,
+                samples_per_second=s.global_batch / best.step_seconds, estimate=best.estimate,
+                alternatives=others[:5], families=verdicts + s.verdicts, profile_source=describe(s.rates()),
+                notes=s.notes, confirmed=True)
+
 
 
 def _search_space(s: _Search, layouts: list[str]) -> list[Config]:
