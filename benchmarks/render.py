@@ -257,6 +257,16 @@ def t_tensor_parallel_numerics() -> str:
                   "weights / tolerance", "AdamW ×3: loss diff", "AdamW ×3: weight diff"], rows)
 
 
+def t_plan_model_parallel() -> str:
+    rows = []
+    for r in results("plan_model_parallel")["rows"]:
+        why = next((n.split(": tensor-parallel")[0].replace("data parallelism alone does not fit ", "")
+                    for n in r["notes"] if n.startswith("data parallelism alone does not fit")), "—")
+        rows.append([r["gpus"], r["chosen"], f"{r['peak_bytes'] / 2**30:.1f} GiB", f"{r['step_seconds']:.1f} s",
+                     why.strip("()"), f"{r['plan_seconds'] / 60:.0f} min"])
+    return table(["H100s", "chosen", "per-rank peak (device)", "step", "FSDP alone", "planned in"], rows)
+
+
 def t_step_time() -> str:
     d = results("step_time")
 
@@ -288,7 +298,7 @@ def t_published_multi_gpu() -> str:
 TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
           "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
-          "pipeline_parallel": t_pipeline_parallel, "tensor_parallel": t_tensor_parallel,
+          "pipeline_parallel": t_pipeline_parallel, "plan_model_parallel": t_plan_model_parallel, "tensor_parallel": t_tensor_parallel,
           "tensor_parallel_2d": lambda: t_tensor_parallel("tensor_parallel_2d"),
           "tensor_parallel_numerics": t_tensor_parallel_numerics,
           "integrations_fit": t_integrations_fit, "integrations_lightning": t_integrations_lightning}
