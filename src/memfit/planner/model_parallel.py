@@ -176,6 +176,10 @@ def _confirm(s, candidates: list[Split], verdicts: list, rates, speeds) -> Split
         if peak > s.usable:
             verdicts.append((_name(c.config), f"predicted to fit, but traced whole needs {fmt_bytes(peak)}"))
             continue
+        if _traced(c.config) != c.config:  # as full_probe says of the same shortcut
+            p.estimate.config = c.config.to_dict()
+            p.estimate.notes.append(f"accumulation over {c.config.grad_accum} micro-steps traced as 2; later "
+                                    "micro-steps repeat the second")
         c.peak_bytes, c.estimate, c.confirmed = peak, p.estimate, True
         c.step_seconds = _seconds(s, c.config, traced, rates, speeds)
         return c

@@ -170,7 +170,8 @@ def plan_view(plan) -> Group:
         f"\npredicted peak {fmt_bytes(plan.peak_bytes)} — {fmt_bytes(plan.usable_bytes - plan.peak_bytes)} headroom"
         f" · step {fmt_seconds(plan.step_seconds, largest)} · {fmt_number(plan.samples_per_second)} samples/s",
         f"\nhost memory for offloading: {fmt_bytes(plan.estimate.host_peak_bytes)}"
-        if plan.estimate is not None and plan.estimate.host_peak_bytes else "",
+        if plan.estimate is not None and plan.estimate.host_peak_bytes
+        and (cfg.offload_optimizer or cfg.offload_activations or cfg.paged_optimizer) else "",
     )
     alts = Table(title="fastest alternatives", title_justify="left", show_edge=False)
     _text(alts, "configuration")
