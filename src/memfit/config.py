@@ -181,7 +181,7 @@ class Config:
                           (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
                           (self.gpus > 1 and self.data_parallel not in ("fsdp", "fsdp-no-reshard"),
                            f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"),
-                          (self.pp > 1 and self.tp > 1, "pipeline and tensor parallel together")):
+                          (self.pp > 1 and self.tp > 1, "tensor parallelism")):
             if on:
                 raise ConfigError(f"{words} with {what} parallelism is not supported yet")
 
