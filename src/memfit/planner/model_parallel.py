@@ -165,22 +165,19 @@ def _confirm(s, candidates: list[Split], verdicts: list, rates, speeds) -> Split
     """The fastest candidate that fits when traced whole (every stage), its figures replaced by the trace's;
     at most CONFIRM tried. A candidate that does not is said so in `verdicts`."""
     for c in candidates[:CONFIRM]:
-        (kind, p), = run_isolated_many([functools.partial(probe, s.workload, _traced(c.config), s.dev, False)],
-                                       workers=1)
+        (kind, traced), = run_isolated_many([functools.partial(_probe_copy, s.workload, _traced(c.config), s.dev)],
+                                            workers=1)
         if kind != "ok":
-            raise p
-        traced = {"ops": p.stage_ops or [p.ops], "handoff_bytes": p.handoff_bytes}
-        peak = max(st["device_peak_bytes"] or st["peak_bytes"]
-                   for st in p.estimate.stages or [dict(device_peak_bytes=p.estimate.device_peak_bytes,
-                                                        peak_bytes=p.estimate.peak_bytes)])
+            raise traced
+        peak, estimate = max(traced["peaks"]), traced["estimate"]
         if peak > s.usable:
             verdicts.append((_name(c.config), f"predicted to fit, but traced whole needs {fmt_bytes(peak)}"))
             continue
         if _traced(c.config) != c.config:  # as full_probe says of the same shortcut
-            p.estimate.config = c.config.to_dict()
-            p.estimate.notes.append(f"accumulation over {c.config.grad_accum} micro-steps traced as 2; later "
-                                    "micro-steps repeat the second")
-        c.peak_bytes, c.estimate, c.confirmed = peak, p.estimate, True
+            estimate.config = c.config.to_dict()
+            estimate.notes.append(f"accumulation over {c.config.grad_accum} micro-steps traced as 2; later "
+                                  "micro-steps repeat the second")
+        c.peak_bytes, c.estimate, c.confirmed = peak, estimate, True
         c.step_seconds = _seconds(s, c.config, traced, rates, speeds)
         return c
     return None
@@ -243,10 +240,10 @@ def _options(s, depth: int):
 
 
 def _probe_copy(workload, config: Config, dev) -> dict:
-    """A copy's device peak (each stage's), ops (each stage's) and a pipeline's handoff size, traced on fake
-    tensors (in a forked child)."""
+    """A trace's device peak (each stage's), ops (each stage's), a pipeline's handoff size and the estimate,
+    on fake tensors (in a forked child)."""
     p = probe(workload, config, dev, isolate=False)
     e = p.estimate
     stages = e.stages or [{"device_peak_bytes": e.device_peak_bytes, "peak_bytes": e.peak_bytes}]
     return {"peaks": [st["device_peak_bytes"] or st["peak_bytes"] for st in stages],
-            "ops": p.stage_ops or [p.ops], "handoff_bytes": p.handoff_bytes}
+            "ops": p.stage_ops or [p.ops], "handoff_bytes": p.handoff_bytes, "estimate": e}

@@ -30,6 +30,7 @@ from memfit.errors import ConfigError
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.strategies.data_parallel import device_mesh
 from memfit.torch_internals import p2p_works_hold_tensors, static_pipeline_metadata
+from memfit.workload import split_batch
 
 __all__ = ["Pipeline", "stage_blocks"]
 
@@ -89,10 +90,10 @@ class _EmbeddingStandIn(torch.nn.Module):
 class _Stage(torch.nn.Module):
     """One stage's forward: the workload's loss on the stage's part of the model."""
 
-    def __init__(self, model: torch.nn.Module, loss, first: bool, last: bool, weight: float):
+    def __init__(self, model: torch.nn.Module, loss, weight: float):
         super().__init__()
         self.model = model
-        self.loss, self.first, self.last, self.weight = loss, first, last, weight
+        self.loss, self.weight = loss, weight
         self.received: torch.Tensor | None = None
         self.on_forward = self.on_backward = lambda: None
 
@@ -134,7 +135,7 @@ class Pipeline:
             raise ConfigError("pipeline parallelism splits the repeated blocks: found none in this model")
         self.blocks = stage_blocks(len(self.names), config.pp)[stage]
         self._refuse_tied(model)
-        self.module = _Stage(model, loss, self.first, self.last, 1 / config.grad_accum)
+        self.module = _Stage(model, loss, 1 / config.grad_accum)
         self._cut(model)
         # the parts taken out can sit in reference cycles (a module and its own methods): freed now, as a real
         # rank must free them, rather than whenever the collector runs (a trace counts every live tensor)
@@ -250,8 +251,6 @@ class Pipeline:
     def _handoff_meta(self, batch, micro_batch: int) -> torch.Tensor:
         """The hidden state stages pass on (shape and dtype): the first block's output for one micro-batch,
         computed without gradients, the RNG left as it was."""
-        from memfit.workload import split_batch
-
         micro = split_batch(batch, micro_batch)[0]
         model = self.module.model
         seen: list[torch.Tensor] = []
