@@ -2,6 +2,7 @@
 timeline sees it. Shares no counting code with memfit (only the step being measured)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -154,10 +155,40 @@ def _settle_gloo() -> None:
     time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _gloo_frees_on_time():
+    """Each wait on a collective or a send/receive yields the CPU for 2 ms, so that gloo's worker thread drops
+    the finished work's tensors before the step goes on, as a GPU stream frees them in order. Without it, on a
+    busy machine (several ranks on two cores) the worker runs late and a rank's peak comes out one or more
+    buffers high, at random."""
+    import time
+
+    import torch.distributed as dist
+
+    work = dist.Work
+    wait = work.wait
+
+    def wait_then_yield(self, *args, **kwargs):
+        done = wait(self, *args, **kwargs)
+        time.sleep(0.002)
+        return done
+
+    work.wait = wait_then_yield
+    try:
+        yield
+    finally:
+        work.wait = wait
+
+
 def rank_step_peaks(workload, config, repeats: int = 2, settle: bool = False) -> list[int]:
     """`allocator_step_peak` on each of config.world real ranks (forked processes joined by gloo on this machine),
-    each rank stepping on its own share of the batch: every rank's own peak, rank 0 first."""
-    return on_gloo_ranks(config.world, lambda rank: allocator_step_peak(workload, config, repeats, settle))
+    each rank stepping on its own share of the batch, its waits yielding to gloo's worker (`_gloo_frees_on_time`):
+    every rank's own peak, rank 0 first."""
+    def rank_peak(rank: int) -> int:
+        with _gloo_frees_on_time():
+            return allocator_step_peak(workload, config, repeats, settle)
+
+    return on_gloo_ranks(config.world, rank_peak)
 
 
 def generate_batch_peak(model, run) -> int:
