@@ -1,14 +1,15 @@
 """Serving memory: transformers' generate on fake tensors vs the profiler, memfit infer vs published vLLM start-up
 logs, and how long `memfit infer` takes.
 
-    python benchmarks/infer.py [--out benchmarks/results/infer.json]   # about 2 minutes on 2 cores
+    python benchmarks/infer.py [--out benchmarks/results/infer.json] [--only generate_batch,published]
 
 1. `generate` (greedy, dynamic cache) of toy Llama, Qwen2 and a sliding-window Mistral (window 32, shorter than
    the prompts), fp32, at three batch x prompt x new-token points: memfit's traced peak against the profiler's
    peak of the real run (benchmarks/truth.py: the memory timeline's running sum, weights and prompts included).
-   The same models' `generate_batch` (continuous batching, paged cache sized by memfit's plan, max_batch_tokens
-   every request's whole length) at three requests x prompt points: transformers' manager and batch processor
-   traced on fake tensors against the allocator's peak in the manager's thread (truth.generate_batch_peak).
+   The same models' `generate_batch` (continuous batching, paged cache sized by memfit's plan) with max_batch_tokens
+   every request's whole length, below the prompts' total (the prefill split over steps) and transformers' default:
+   transformers' manager and batch processor traced on fake tensors against the allocator's peak in the manager's
+   thread (truth.generate_batch_peak).
 2. Published vLLM logs, each row's settings as its log gives them: weights ("Loading model weights took",
    "model weights take") and the KV cache ("kv_cache_size", "# GPU blocks", "available_kv_cache_memory").
 3. Wall time of the `memfit infer` command (a fresh process: imports included) for Llama 3.1 8B and 70B on an H100.
@@ -40,7 +41,11 @@ from truth import profiler_peak  # noqa: E402
 CONFIGS = HERE.parent / "tests" / "data" / "hf_configs"
 GiB = 2**30
 POINTS = [(1, 16, 8), (4, 64, 16), (8, 128, 32)]
-BATCH_POINTS = [(1, 16, 4), (2, 40, 4), (4, 60, 4)]  # requests, prompt, new tokens
+# requests, prompt, new tokens, max_batch_tokens: WHOLE is every request's whole length (one prefill step), a number
+# below the prompts' total splits the prefill over steps, None is transformers' default (8,192)
+WHOLE = "whole"
+BATCH_POINTS = [(1, 16, 4, WHOLE), (2, 40, 4, WHOLE), (4, 60, 4, WHOLE), (4, 48, 4, 32), (4, 48, 4, 64),
+                (8, 60, 4, 100), (4, 48, 4, None)]
 
 # (source, model config, infer settings, published figures). GiB figures as the logs print them ("GB" in vLLM's
 # older logs is GiB: 14.9888 = 8,030,261,248 bf16 parameters plus the 32 MiB rotary table, / 2**30).
@@ -96,8 +101,8 @@ def generate_batch_rows() -> list[dict]:
     for name, config in toy_configs().items():
         torch.manual_seed(0)
         net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        for requests, prompt, new in BATCH_POINTS:
-            tokens = requests * (prompt + new)
+        for requests, prompt, new, tokens in BATCH_POINTS:
+            tokens = requests * (prompt + new) if tokens == WHOLE else tokens
             _, blocks = planned_blocks(config, requests, prompt + new)
             cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=tokens)
             prompts = torch.randint(1, config.vocab_size, (requests, prompt)).tolist()
@@ -109,7 +114,8 @@ def generate_batch_rows() -> list[dict]:
 
             est, real = generate_batch_peak(config, requests, prompt, new, blocks, tokens), batch_truth(net, run)
             rows.append(dict(model=name, requests=requests, prompt=prompt, new_tokens=new, num_blocks=blocks,
-                             max_batch_tokens=tokens, estimate=est, allocator=real, error=(est - real) / real))
+                             max_batch_tokens=tokens, split=tokens is not None and tokens < requests * prompt,
+                             estimate=est, allocator=real, error=(est - real) / real))
             print(rows[-1], flush=True)
     return rows
 
@@ -140,14 +146,23 @@ def timings() -> list[dict]:
     return out
 
 
+PARTS = {"generate": generate_rows, "generate_batch": generate_batch_rows, "published": published_rows,
+         "timings": timings}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(HERE / "results" / "infer.json"))
+    parser.add_argument("--only", help=f"comma-separated parts to rerun ({', '.join(PARTS)}); the others are kept "
+                                       "from --out")
     args = parser.parse_args()
-    results = dict(date=time.strftime("%Y-%m-%d"), generate=generate_rows(), generate_batch=generate_batch_rows(),
-                   published=published_rows(),
-                   timings=timings())
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    out = Path(args.out)
+    parts = args.only.split(",") if args.only else list(PARTS)
+    results = json.loads(out.read_text()) if args.only and out.exists() else {}
+    results["date"] = time.strftime("%Y-%m-%d")
+    for part in parts:
+        results[part] = PARTS[part]()
+    out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
