@@ -218,14 +218,14 @@ def _smallest(args, run, config: Config):
 
 def cmd_estimate(args) -> int:
     from memfit.memory.devices import get_device
-    from memfit.memory.estimate import estimate
+    from memfit.memory.extrapolate import estimate_blocks
 
     _check_counts(args, "micro_batch", "grad_accum", "pp")
     device = get_device(args.device)
     config = _config(args, device)
     workload = _workload(args)
     try:
-        est, note = _smallest(args, lambda c: estimate(workload, c, device=device), config)
+        est, note = _smallest(args, lambda c: estimate_blocks(workload, c, device, args.blocks), config)
     except WorkloadError as e:
         if args.precision or args.config or config.precision == "fp32":
             raise
@@ -660,6 +660,10 @@ def _add_estimate_command(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
     p.set_defaults(fn=cmd_estimate)
 
+    p.add_argument("--blocks", choices=("all", "auto"), default="all",
+                   help="auto: a deep model's step counted from copies of 1, 2 and 3 blocks (of its layer pattern's "
+                        "period for a hybrid), checked against the third, where they hold at most half its blocks; "
+                        "no timeline or tensor list then (default: all, every block traced)")
 
 def _add_plan_command(sub) -> None:
     """`memfit plan`: the search, the choices a user may fix, and what the answer is written as."""

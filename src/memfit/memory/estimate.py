@@ -24,7 +24,7 @@ import torch
 from memfit.config import Config
 from memfit.errors import (ConfigError, EstimateError, HostMemoryError, MemfitError, MicroBatchError, WorkloadError,
                            first_line)
-from memfit.memory import allocator
+from memfit.memory import allocator, streams
 from memfit.memory.devices import Device, check_node, defaults_for, get_device, nccl_bytes, nccl_communicators
 from memfit.memory.fake import FakeBuild, FakeTensor, LayerDropDraws, new_fake_mode, quiet_fake_errors, trace_optimizer
 from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated, value_branches
@@ -53,6 +53,7 @@ PROBES = (1, 2)
 PROBES_WITHOUT_1 = (2, 4)
 TOP_TENSORS = 200   # the largest tensors live at the peak an estimate lists (with shape, module, source line)
 MODULE_GROUPS = 8   # blocks whose activations the timeline keeps apart
+KEEP_STREAMS = False  # set by memory/extrapolate.py in its tracing child: probes keep their allocation stream
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class Estimate:
     routing: dict | None = None  # MoE: the routing assumption and the bound (memory/routing.py)
     # activations by the block that made them ({group: [...]}, at the timeline's points; module_group())
     module_timeline: dict = dataclasses.field(default_factory=dict)
+    extrapolated_from: tuple | None = None  # (blocks traced, the model's blocks): counted from copies (extrapolate.py)
     stages: list | None = None  # a pipeline: each stage's peak, parameters and breakdown (the figures: the highest)
 
     @property
@@ -106,6 +108,7 @@ class Probe:
     ops: OpTrace
     stage_ops: list | None = None  # a pipeline: every stage's ops, stage 0 first (`ops` is the highest peak's)
     handoff_bytes: int = 0         # a pipeline: the hidden state a stage sends on for one micro-batch
+    stream: list | None = None     # with KEEP_STREAMS: the allocation stream (streams.tokens), for extrapolate.py
 
     @property
     def micro_batch(self) -> int:
@@ -577,7 +580,11 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     est.blocks = find_blocks(step.model)
     if cuda_target:
         _add_cuda_figures(est, tracker, dev, step.config)
-    return Probe(est, recorder.trace)
+    probe = Probe(est, recorder.trace)
+    if KEEP_STREAMS:
+        probe.stream = streams.tokens(tracker.events, {k: streams.storage_class(labels[k], info)
+                                                       for k, info in tracker.infos.items()})
+    return probe
 
 
 def _copy_to_device(batch, device):

@@ -27,7 +27,7 @@ from memfit.errors import ConfigError, WorkloadError
 from memfit.memory.devices import links
 from memfit.memory.estimate import probe
 from memfit.memory.isolate import run_isolated_many
-from memfit.planner.copies import depths, shallow, stack_depth
+from memfit.memory.copies import depths, shallow, stack_depth
 from memfit.planner.costmodel import comm_for, pipeline_seconds, send_seconds, step_seconds
 from memfit.units import fmt_bytes
 

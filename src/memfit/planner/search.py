@@ -32,7 +32,7 @@ from memfit.memory.estimate import (Category, Estimate, MicroBatchLine, Phase, P
 from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.memory.trace_cache import run_cached_many
-from memfit.planner.copies import depths, shallow, stack_depth
+from memfit.memory.copies import depths, shallow, stack_depth
 from memfit.planner.model_parallel import model_parallel
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
                                       step_seconds)

@@ -45,6 +45,8 @@ def estimate_view(est: Estimate) -> Group:
         ("memfit estimate", "bold"), f"  {est.workload} · {_config_line(est.config)} · {est.device}\n",
         ("peak ", "bold"), (fmt_bytes(est.peak_bytes), "bold cyan"),
         f" of live tensors, reached in the {est.peak_phase} phase — {_METHODS[est.method]}",
+        f", extrapolated from {est.extrapolated_from[0]} of {est.extrapolated_from[1]} blocks"
+        if est.extrapolated_from else "",
     )
     cats = Table(title="at the peak", title_justify="left", show_edge=False)
     _text(cats, "category")

@@ -1,0 +1,199 @@
+"""An estimate counted from a few traced blocks: a deep model's step traced as three shallow copies, the whole
+depth written from what one more block (or one more period of a hybrid's layer pattern) adds.
+
+Why it is exact where it is used: a copy with one more period of blocks makes the same allocations and frees
+as the shallower one with one period's runs inserted (its forward, backward, optimizer update, state), so the
+whole depth's stream is the shallowest one with those runs repeated (`streams`). From it come the peak of
+live bytes and, replayed through `allocator`, the CUDA caching allocator's allocated and reserved peaks, which
+are not linear in depth (the cached-but-free part moves with the segments' layout). The other figures
+(categories at the peak, state, FLOPs, parameters) add up block by block. Nothing is printed unchecked: the
+third copy's own trace must give the figures its stream, written from the first two, gives, and every
+linear figure must lie on the line through the three; else (or where it does not apply) the whole model is
+traced as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+
+from memfit.config import Config
+from memfit.memory import allocator, estimate as traced, streams
+from memfit.memory.copies import shallow
+from memfit.memory.devices import Device, defaults_for, get_device
+from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.memory.isolate import run_isolated
+from memfit.strategies.activation_checkpoint import find_blocks
+from memfit.workload import Workload
+
+__all__ = ["BLOCKS", "Plan", "estimate_blocks", "layer_plan"]
+
+BLOCKS = ("auto", "all")  # --blocks: extrapolate where it applies (below), or trace every block
+FIRST = 1        # the shallowest copy: 1 block; the others 1 + period and 1 + 2 periods
+MAX_SHARE = 0.5  # extrapolate only where the three copies hold at most half of the model's blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The copies traced: `depths` blocks each, `period` apart (a hybrid's layer pattern), of `blocks`."""
+    blocks: int
+    period: int
+    depths: tuple[int, int, int]
+
+
+def _layers(model: torch.nn.Module) -> str | None:
+    """The name of the ModuleList the model's repeated blocks are the children of; None for any other
+    arrangement."""
+    parents = {n.rpartition(".")[0] for n in find_blocks(model)}
+    if len(parents) != 1:
+        return None
+    name = parents.pop()
+    return name if isinstance(model.get_submodule(name), torch.nn.ModuleList) else None
+
+
+def _kinds(model: torch.nn.Module, layers: str) -> list[tuple]:
+    """Each layer of that list: its class and its parameters' names, shapes and dtypes."""
+    return [(type(b).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in b.named_parameters()))
+            for b in model.get_submodule(layers)]
+
+
+def layer_plan(workload: Workload) -> Plan | None:
+    """The copies to trace for `workload`, or None where extrapolating does not apply: no one list of
+    layers, a layer pattern with no period, or copies that would hold more than MAX_SHARE of the layers.
+    The whole model is built on the meta device (no memory) to read its layers; a factory that builds fewer
+    (`with_blocks`) must build the same first layers."""
+    with torch.device("meta"):
+        model = workload.model()
+    layers = _layers(model)
+    if layers is None:
+        return None
+    kinds = _kinds(model, layers)
+    n = len(kinds)
+    period = next((p for p in range(1, n) if all(kinds[i] == kinds[i + p] for i in range(n - p))), None)
+    if period is None:
+        return None
+    depths = (FIRST, FIRST + period, FIRST + 2 * period)
+    if sum(depths) > MAX_SHARE * n:
+        return None
+    fewer = getattr(workload.model, "with_blocks", None)
+    if fewer is not None:
+        for d in depths:
+            with torch.device("meta"):
+                m = fewer(d)
+            if m is not None and _kinds(m, layers) != kinds[:d]:
+                return None
+    return Plan(n, period, depths)
+
+
+def estimate_blocks(workload: Workload, config: Config | None = None, device: str | Device = "cpu",
+                    blocks: str = "auto", isolate: bool = True) -> Estimate:
+    """`estimate`, counted from three shallow copies where that applies and checks out (`extrapolated_from`
+    says so), else traced whole. blocks: "auto" or "all" (trace every block)."""
+    dev = device if isinstance(device, Device) else get_device(device)
+    config = config or Config(precision=defaults_for(dev).precision)
+    plan = layer_plan(workload) if blocks == "auto" and config.world == 1 else None
+    if plan is not None:
+        run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
+        est, why = run(lambda: _from_copies(workload, config, dev, plan))
+        if est is not None:
+            return est
+        full = traced.estimate(workload, config, dev, isolate=isolate)
+        full.notes.append(f"traced whole: its copies of {', '.join(map(str, plan.depths))} blocks did not extend "
+                          f"exactly ({why})")
+        return full
+    return traced.estimate(workload, config, dev, isolate=isolate)
+
+
+def _copy(workload: Workload, keep: int) -> Workload:
+    """The copy with the first `keep` layers: the factory's own (`with_blocks`, checked by layer_plan),
+    else the whole model cut (copies.shallow)."""
+    fewer = getattr(workload.model, "with_blocks", None)
+    if fewer is None:
+        return shallow(workload, keep)
+    return dataclasses.replace(workload, model=lambda: fewer(keep))
+
+
+@contextlib.contextmanager
+def _keeping_streams():
+    traced.KEEP_STREAMS = True
+    try:
+        yield
+    finally:
+        traced.KEEP_STREAMS = False
+
+
+_LINEAR = ("peak_bytes", "flops", "recompute_flops", "parameters", "moved_bytes", "host_peak_bytes")
+
+
+def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) -> tuple[Estimate | None, str]:
+    """(the whole depth's estimate, "") from the three copies, or (None, why not)."""
+    with _keeping_streams():
+        probes = [traced.probe(_copy(workload, d), config, dev, isolate=False) for d in plan.depths]
+    ests = [p.estimate for p in probes]
+    if any(e.method != "fake" for e in ests):
+        return None, "fake tensors could not follow a copy"
+    if any(e.stages or (e.routing and e.routing.get("assumption") != "invariant") for e in ests):
+        return None, "a pipeline or routing bound"
+    if len({e.peak_phase for e in ests}) != 1:
+        return None, "the peak moves between phases"
+    first, second, third = (p.stream for p in probes)
+    runs = streams.insertions(first, second)
+    if runs is None:
+        return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"
+    cuda = dev.kind == "cuda"
+
+    def figures(stream):  # what the stream gives: the live peak, and on a GPU the allocator's two peaks
+        pre = [("cublas-workspace", dev.cublas_workspace_bytes)] if cuda else []
+        return (streams.peak(stream),) + (allocator.simulate(pre + streams.events(stream)) if cuda else ())
+
+    got = figures(streams.repeat(first, runs, 2))
+    want = (ests[2].peak_bytes,) + ((ests[2].peak_allocated_bytes, ests[2].peak_reserved_bytes) if cuda else ())
+    if got != want:
+        return None, f"the third copy's figures {want} were written as {got}"
+    steps = (plan.blocks - plan.depths[0]) // plan.period
+    if plan.depths[0] + steps * plan.period != plan.blocks:
+        return None, f"{plan.blocks} blocks are not {plan.depths[0]} + whole periods of {plan.period}"
+    whole = figures(streams.repeat(first, runs, steps))
+    out = dataclasses.replace(ests[2], notes=list(ests[2].notes))
+
+    def line(values: list, what: str):
+        a, b, c = values
+        if b - a != c - b:
+            raise _NotLinear(what)
+        return a + (b - a) * steps
+
+    try:
+        for name in _LINEAR:
+            values = [getattr(e, name) for e in ests]
+            if values[0] is not None:
+                setattr(out, name, line(values, name))
+        for field in ("breakdown", "model_state_bytes", "phase_peaks"):
+            setattr(out, field, {k: line([getattr(e, field).get(k, 0) for e in ests], f"{field}[{k}]")
+                                 for k in getattr(ests[2], field)})
+    except _NotLinear as e:
+        return None, f"{e.args[0]} is not linear in the blocks"
+    if out.peak_bytes != whole[0]:
+        return None, f"the peak's line ({out.peak_bytes}) and stream ({whole[0]}) differ"
+    if cuda:
+        out.peak_allocated_bytes, out.peak_reserved_bytes = whole[1:]
+        out.device_peak_bytes = ests[2].device_peak_bytes - ests[2].peak_reserved_bytes + out.peak_reserved_bytes
+    if out.routing:
+        out.routing = dict(out.routing, bound_peak_bytes=out.peak_bytes, bound_device_peak_bytes=out.device_peak_bytes)
+    out.extrapolated_from = (plan.depths[2], plan.blocks)
+    out.config = config.to_dict()
+    # what lists tensors, modules or points of the step is the copy's: not printed as the whole model's
+    out.modules, out.top_tensors, out.module_flops = [], [], {}
+    out.timeline, out.module_timeline = {"index": [], "phase": [], **{c: [] for c in CATEGORIES}}, {}
+    out.blocks = []
+    out.notes.insert(0, f"extrapolated from {plan.depths[2]} of {plan.blocks} blocks: copies of "
+                        f"{', '.join(map(str, plan.depths))} blocks traced"
+                        + (f" (the layers repeat every {plan.period})" if plan.period > 1 else "")
+                        + f", the whole depth written as the first with {steps} x what {plan.period} more "
+                        f"add(s), checked against the third copy's own trace; no timeline or tensor list")
+    return out, ""
+
+
+class _NotLinear(Exception):
+    pass

@@ -1,0 +1,90 @@
+"""A traced step's allocation stream, written so that the streams of two depths of one model line up.
+
+`LiveBytes` records (storage id, +bytes) and (storage id, -bytes); ids differ between traces, so each event
+is written instead as its storage's class (size, category, phase, op, dtype, shape, module with its block
+index left out, source line) and a free as which live storage of its class it frees (the newest but n, or
+the oldest but n, whichever count is 0 or smaller). A copy with one more block then reads as the shallower
+stream with runs inserted (one block's forward, backward, optimizer update...): `insertions` finds them,
+`repeat` writes the stream with k blocks more, `events` turns it back into (id, ±bytes) for the allocator.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def storage_class(category, info) -> tuple:
+    """What a storage is, the same for the same tensor of another block of the same kind."""
+    return (str(category), str(info.phase), info.op, info.dtype, tuple(info.shape), _INDEX.sub(".#", info.module),
+            info.source)
+
+
+def tokens(events: list[tuple[int, int]], classes: dict) -> list[tuple]:
+    """(+bytes, class) for an allocation, (-bytes, class, "n"|"o", count) for a free."""
+    live: dict[tuple, list[int]] = {}
+    out: list[tuple] = []
+    for key, delta in events:
+        if delta == 0:
+            continue
+        c = (abs(delta), classes[key])
+        if delta > 0:
+            live.setdefault(c, []).append(key)
+            out.append(c)
+            continue
+        keys = live[c]
+        i = keys.index(key)
+        del keys[i]
+        newer, older = len(keys) - i, i
+        out.append((delta, c[1], "n", newer) if newer == 0 or (older and newer <= older) else
+                   (delta, c[1], "o", older))
+    return out
+
+
+def events(stream: list[tuple]) -> list[tuple[int, int]]:
+    """`tokens` undone: (id, ±bytes), ids numbered in allocation order."""
+    live: dict[tuple, list[int]] = {}
+    out: list[tuple[int, int]] = []
+    for t in stream:
+        if t[0] > 0:
+            live.setdefault(t, []).append(len(out))
+            out.append((len(out), t[0]))
+        else:
+            keys = live[(-t[0], t[1])]
+            out.append((keys.pop(len(keys) - 1 - t[3] if t[2] == "n" else t[3]), t[0]))
+    return out
+
+
+def peak(stream: list[tuple]) -> int:
+    """The highest live total along the stream."""
+    current = top = 0
+    for t in stream:
+        current += t[0]
+        top = max(top, current)
+    return top
+
+
+def insertions(shallow: list[tuple], deeper: list[tuple]) -> list[tuple[int, list[tuple]]] | None:
+    """[(position in `shallow`, the run inserted there)] that make `deeper`; None unless `deeper` is exactly
+    `shallow` with runs inserted (nothing changed or left out)."""
+    matcher = difflib.SequenceMatcher(None, shallow, deeper, autojunk=False)
+    runs = []
+    for tag, i1, _, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            return None
+        runs.append((i1, deeper[j1:j2]))
+    return runs
+
+
+def repeat(shallow: list[tuple], runs: list[tuple[int, list[tuple]]], times: int) -> list[tuple]:
+    """`shallow` with each run inserted `times` times at its place."""
+    out: list[tuple] = []
+    done = 0
+    for at, run in runs:
+        out += shallow[done:at]
+        out += run * times
+        done = at
+    return out + shallow[done:]
