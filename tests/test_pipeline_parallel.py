@@ -69,29 +69,32 @@ def test_stages_of_data_parallel_ranks_match_their_real_ranks():
     assert est == pytest.approx(lowest(peaks), rel=0.01)
 
 
-def _train(config: Config, steps: int = 3):
+def _train(config: Config, steps: int = 3, layers: int = 2):
     from torch.distributed.tensor import DTensor
 
     from memfit.runtime.trainer import Trainer
 
-    trainer = Trainer(builtin("gpt-tiny"), config, seed=0, global_batch=16)
+    trainer = Trainer(builtin("gpt-tiny", layers=layers), config, seed=0, global_batch=16)
     losses = [trainer.step() for _ in range(steps)]
     return losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
                     for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule,gpus", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2)])
+@pytest.mark.parametrize("schedule,gpus", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved-1f1b", 2),
+                                           ("zero-bubble", 1)])
 def test_a_pipeline_trains_as_one_process(schedule, gpus):
     """Each stage keeps its parameters under the model's own names; together they are the whole model. Every
     micro-batch's loss is weighted by its share of the batch, as one process weights it, and each stage
     runs the same ops on the same values in the same order: fp32, 1e-5 as for the data-parallel layouts
-    (over FSDP2 ranks the gradients are averaged, where the order of the sums differs)."""
+    (over FSDP2 ranks the gradients are averaged, where the order of the sums differs). The interleaved
+    schedules run 4 stages on 2 ranks: gpt-tiny with 4 blocks."""
     from truth import on_gloo_ranks
 
-    one_losses, one_weights = _train(Config(micro_batch=4, grad_accum=4))
+    layers = 4 if schedule in ("interleaved-1f1b", "zero-bubble") else 2
+    one_losses, one_weights = _train(Config(micro_batch=4, grad_accum=4), layers=layers)
     cfg = Config(micro_batch=4, grad_accum=4 // gpus, pp=2, pp_schedule=schedule, gpus=gpus,
                  data_parallel="fsdp" if gpus > 1 else "none")
-    results = on_gloo_ranks(cfg.world, lambda rank: _train(cfg))
+    results = on_gloo_ranks(cfg.world, lambda rank: _train(cfg, layers=layers))
     weights = {}
     for stage in range(cfg.pp):
         stage_weights = results[stage * gpus][1]

@@ -136,9 +136,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _add_pipeline_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--pp", type=int, default=1, help=f"{what} (default: %(default)s)")
     p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b",
-                   help="the order a stage runs its micro-batches: gpipe (every forward, then every backward) or "
-                        "1f1b (one forward, one backward once the pipeline is full: fewer held) (default: "
-                        "%(default)s)")
+                   help="the order a stage runs its micro-batches (torch.distributed.pipelining's schedules): gpipe "
+                        "(every forward, then every backward), 1f1b (one forward, one backward once the pipeline is "
+                        "full: fewer held), interleaved-1f1b (--pp-virtual stages a rank, rank r holding r, r + pp, "
+                        "...: a smaller bubble, more held on the first ranks) or zero-bubble (torch's "
+                        "ScheduleInterleavedZeroBubble, ZB1P, same placement: each backward split into its input "
+                        "and weight halves) (default: %(default)s)")
+    p.add_argument("--pp-virtual", type=int,
+                   help="stages a rank holds under interleaved-1f1b and zero-bubble (default: 2 for those, else 1)")
 
 
 def _config_json(text: str) -> Config:
@@ -184,7 +189,7 @@ def _config(args, device=None) -> Config:
                   optimizer_8bit=args.optimizer_8bit, paged_optimizer=args.paged_optimizer, base_4bit=args.base_4bit,
                   loss_chunks=args.loss_chunks,
                   gpus=args.gpus, data_parallel=layout, gpus_per_node=per_node, tp=getattr(args, "tp", 1), pp=pp,
-                  pp_schedule=getattr(args, "pp_schedule", "1f1b"))
+                  pp_schedule=getattr(args, "pp_schedule", "1f1b"), pp_virtual=getattr(args, "pp_virtual", None))
 
 
 def _check_counts(args, *names: str) -> None:
@@ -383,6 +388,7 @@ def cmd_train(args) -> int:
     config = _config_json(args.config) if args.config else None
     if config is not None:  # the ranks split as the configuration says
         args.tp, args.pp, args.pp_schedule = config.tp, config.pp, config.pp_schedule
+        args.pp_virtual = config.pp_virtual
     if args.gpus % args.tp:
         raise ConfigError(f"--tp {args.tp} does not divide --gpus {args.gpus}")
     if args.pp > 1 and args.gpus < args.pp * args.tp:
@@ -432,7 +438,7 @@ def cmd_train(args) -> int:
                    resume=args.resume, schedule=args.schedule,
                    progress=not args.no_progress, console=console, deterministic=args.deterministic,
                    gpus=args.gpus, data_parallel=args.data_parallel, config=config, allow=allow, tp=args.tp,
-                   pp=args.pp, pp_schedule=args.pp_schedule)
+                   pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual)
     if args.gpus > 1 and not result.report:
         return 0  # ranks other than 0 say nothing
     from memfit.report.tables import run_view
@@ -454,7 +460,7 @@ def _model_parallel_config(args, dp: int) -> Config:
     micro = args.micro_batch or rank_micro_batch(share, args.pp)
     return Config(micro_batch=micro, grad_accum=max(1, share // micro), gpus=dp,
                   data_parallel=(args.data_parallel or "fsdp") if dp > 1 else "none", tp=args.tp, pp=args.pp,
-                  pp_schedule=args.pp_schedule)
+                  pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual)
 
 
 def result_model(result, workload):

@@ -9,7 +9,9 @@ from memfit.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure")
 LAYOUTS = ("none", "ddp", "fsdp", "fsdp-no-reshard", "hsdp")
-PP_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
+# torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble")  # several stages a rank: r, r + pp, r + 2 pp, ...
 MAX_GPUS = 4096
 
 
@@ -64,7 +66,12 @@ class Config:
             (``gpus`` stays the data-parallel count).
         pp_schedule: the order a stage runs its micro-batches' forwards and backwards: ``"gpipe"`` (every
             forward, then every backward: a stage holds all ``grad_accum`` micro-batches' activations) or
-            ``"1f1b"`` (one forward, one backward once the pipeline is full: at most ``pp - stage`` held).
+            ``"1f1b"`` (one forward, one backward once the pipeline is full: at most ``pp - stage`` held);
+            ``"interleaved-1f1b"`` (Narayanan et al. 2021: ``pp_virtual`` stages a rank, a smaller bubble for
+            more micro-batches in flight on the first ranks) or ``"zero-bubble"`` (torch's interleaved ZB1P,
+            Qi et al. 2024: each backward split into its input half and a later weight half that fills the bubble).
+        pp_virtual: stages a rank holds under the interleaved schedules (the looped placement: rank r holds
+            stages r, r + pp, ...): the blocks split over ``pp * pp_virtual`` stages. None: 2 for those, 1 else.
         tp: tensor-parallel ranks: each block's attention and MLP matmuls split over ``tp`` ranks
             (DTensor's ``parallelize_module``). Beside ``fsdp`` or ``fsdp-no-reshard`` the ranks form a 2-D mesh,
             ``gpus`` x ``tp`` (torchtitan's layout: TP inside a group of ``tp`` neighbouring ranks, FSDP2 across
@@ -93,6 +100,7 @@ class Config:
     gpus_per_node: int | None = None
     pp: int = 1
     pp_schedule: str = "1f1b"
+    pp_virtual: int | None = None
     tp: int = 1
 
     def __post_init__(self):
@@ -169,21 +177,50 @@ class Config:
                 raise ConfigError(f"{name} must be an integer from 1 to {MAX_GPUS}, got {n!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule {self.pp_schedule!r}; choose one of {', '.join(PP_SCHEDULES)}")
+        self._check_virtual()
         if self.pp == 1 and self.tp == 1:
             return
         what = "pipeline" if self.pp > 1 else "tensor"
         if self.pp > 1 and self.grad_accum < self.pp:
             raise ConfigError(f"{self.pp} pipeline stages need at least {self.pp} micro-batches a step to keep every "
                               f"stage busy: grad_accum is {self.grad_accum}")
+        rounds = max(1, self.grad_accum // self.pp)  # torch's interleaved schedules run the micro-batches in rounds
+        if self.pp > 1 and self.pp_schedule in LOOPED_SCHEDULES and self.grad_accum % rounds:
+            raise ConfigError(f"{self.pp_schedule} runs micro-batches in rounds of about {self.pp} (torch's "
+                              f"max(1, n // pp) = {rounds} rounds, n a multiple of them): grad_accum {self.grad_accum} "
+                              f"is not; use a multiple of {self.pp}")
         for on, words in ((self.offload_optimizer or self.offload_activations, "offload"),
                           (self.optimizer_in_backward, "optimizer_in_backward"),
                           (self.optimizer_8bit or self.base_4bit, "8-bit optimizer states and 4-bit bases"),
                           (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
                           (self.gpus > 1 and self.data_parallel not in ("fsdp", "fsdp-no-reshard"),
                            f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"),
-                          (self.pp > 1 and self.tp > 1, "tensor parallelism")):
+                          (self.pp > 1 and self.tp > 1, "tensor parallelism"),
+                          # torch's weight-gradient pass (stage_backward_weight) looks up each parameter's
+                          # AccumulateGrad node, which FSDP2's unsharded parameters are not: KeyError on every rank
+                          (self.pp_schedule == "zero-bubble" and self.gpus > 1,
+                           "fsdp data parallel beside zero-bubble")):
             if on:
                 raise ConfigError(f"{words} with {what} parallelism is not supported yet")
+
+    def _check_virtual(self) -> None:
+        looped = self.pp_schedule in LOOPED_SCHEDULES
+        v = self.pp_virtual
+        if v is None:
+            object.__setattr__(self, "pp_virtual", 2 if looped else 1)
+            return
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"pp_virtual must be an integer >= 1, got {v!r}")
+        if looped and v < 2:
+            raise ConfigError(f"{self.pp_schedule} interleaves 2 or more stages a rank: pp_virtual is {v}")
+        if not looped and v != 1:
+            raise ConfigError(f"pp_virtual {v}: {self.pp_schedule} runs one stage a rank (interleaved-1f1b and "
+                              "zero-bubble run several)")
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: ``pp`` ranks of ``pp_virtual`` each."""
+        return self.pp * self.pp_virtual
 
     @property
     def world(self) -> int:
@@ -226,7 +263,8 @@ class Config:
         if self.gpus > 1:
             parts.insert(0, f"{self.gpus} GPUs {self.data_parallel}")
         if self.pp > 1:
-            parts.insert(0, f"{self.pp} pipeline stages {self.pp_schedule}")
+            parts.insert(0, f"{self.pp} pipeline stages {self.pp_schedule}" if self.pp_virtual == 1 else
+                         f"{self.pp} pipeline ranks of {self.pp_virtual} stages {self.pp_schedule}")
         if self.tp > 1:
             parts.insert(0, f"tensor parallel {self.tp}")
         return ", ".join(parts)

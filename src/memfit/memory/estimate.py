@@ -87,7 +87,7 @@ class Estimate:
     # activations by the block that made them ({group: [...]}, at the timeline's points; module_group())
     module_timeline: dict = dataclasses.field(default_factory=dict)
     extrapolated_from: tuple | None = None  # (blocks traced, the model's blocks): counted from copies (extrapolate.py)
-    stages: list | None = None  # a pipeline: each stage's peak, parameters and breakdown (the figures: the highest)
+    stages: list | None = None  # a pipeline: each rank's stages, peak, parameters, breakdown (the figures: the highest)
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -318,26 +318,33 @@ def _traces(workload: Workload, config: Config, dev: Device, fake: bool, sizes: 
 
 def _stage_traces(workload: Workload, config: Config, dev: Device, sizes: list[int],
                   routing_bound: bool) -> list[Probe]:
-    """A pipeline's stages hold different parts and different numbers of micro-batches in flight: each is
-    traced as its own rank of a fake world, and the stage with the highest peak is the estimate (the one a
-    budget must hold), every stage's figures in `stages`."""
-    by_stage = []
-    for stage in range(config.pp):  # the stage's first data-parallel rank (the mesh is stages x ranks)
-        with fake_process_group(config.world, rank=stage * config.gpus):
-            by_stage.append(_rank_traces(workload, config, dev, True, sizes, routing_bound))
+    """A pipeline's ranks hold different parts and different numbers of micro-batches in flight: each is
+    traced as its own rank of a fake world, all its stages together under the schedule (the interleaved
+    schedules give a rank several), and the rank with the highest peak is the estimate (the one a budget must
+    hold), every rank's figures in `stages`."""
+    by_rank = []
+    for rank in range(config.pp):  # the rank's first data-parallel rank (the mesh is pipeline ranks x ranks)
+        with fake_process_group(config.world, rank=rank * config.gpus):
+            by_rank.append(_rank_traces(workload, config, dev, True, sizes, routing_bound))
     out = []
-    for probes in zip(*by_stage):
+    for probes in zip(*by_rank):
         worst = max(probes, key=_peak_of)
-        worst.estimate.stages = [_stage_figures(s, p.estimate) for s, p in enumerate(probes)]
+        worst.estimate.stages = [_stage_figures(r, config, p.estimate) for r, p in enumerate(probes)]
         worst.stage_ops = [p.ops for p in probes]
-        worst.estimate.notes.append(f"pipeline of {config.pp} stages ({config.pp_schedule}): the figures are stage "
-                                    f"{probes.index(worst)}'s, the highest peak; every stage's in `stages`")
+        what = (f"{config.pp} stages" if config.pp_virtual == 1 else
+                f"{config.stages} stages over {config.pp} ranks, {config.pp_virtual} a rank")
+        unit = "stage" if config.pp_virtual == 1 else "rank"
+        worst.estimate.notes.append(f"pipeline of {what} ({config.pp_schedule}): the figures are {unit} "
+                                    f"{probes.index(worst)}'s, the highest peak; every {unit}'s in `stages`")
         out.append(worst)
     return out
 
 
-def _stage_figures(stage: int, e: "Estimate") -> dict:
-    return {"stage": stage, "peak_bytes": e.peak_bytes, "device_peak_bytes": e.device_peak_bytes,
+def _stage_figures(rank: int, config: Config, e: "Estimate") -> dict:
+    """One pipeline rank's figures: `stage` is its coordinate on the pipeline axis, `holds` the stages it
+    runs (the looped placement: rank, rank + pp, ...)."""
+    return {"stage": rank, "holds": [rank + k * config.pp for k in range(config.pp_virtual)],
+            "peak_bytes": e.peak_bytes, "device_peak_bytes": e.device_peak_bytes,
             "peak_reserved_bytes": e.peak_reserved_bytes, "parameters": e.parameters, "peak_phase": e.peak_phase,
             "breakdown": dict(e.breakdown)}
 

@@ -104,20 +104,29 @@ def _stage_peak(stage: dict) -> int:
 
 
 def _stages_view(est: Estimate) -> Group:
-    """A pipeline's stages side by side: they hold different blocks and micro-batches in flight, so the figures
-    above are only the highest stage's, and a budget per GPU is bound by that one."""
+    """A pipeline's ranks side by side: they hold different blocks and micro-batches in flight, so the figures
+    above are only the highest rank's, and a budget per GPU is bound by that one. Under the interleaved
+    schedules a rank holds several stages: a row per rank, naming them."""
     gpu = est.stages[0]["device_peak_bytes"] is not None
-    table = Table(title=f"pipeline stages ({len(est.stages)}, {est.config['pp_schedule']}): each its own rank",
-                  title_justify="left", show_edge=False)
-    _figures(table, "stage", "parameters", "peak", *(["device use\n(nvidia-smi)"] if gpu else []))
+    looped = len(est.stages[0].get("holds", [0])) > 1
+    title = (f"pipeline ranks ({len(est.stages)}, {est.config['pp_schedule']}): each its own rank, holding "
+             f"{len(est.stages[0]['holds'])} stages" if looped else
+             f"pipeline stages ({len(est.stages)}, {est.config['pp_schedule']}): each its own rank")
+    table = Table(title=title, title_justify="left", show_edge=False)
+    _figures(table, "rank" if looped else "stage")
+    if looped:
+        _text(table, "stages")
+    _figures(table, "parameters", "peak", *(["device use\n(nvidia-smi)"] if gpu else []))
     table.add_column("peak phase", no_wrap=True)
     for s in est.stages:
-        table.add_row(str(s["stage"]), f"{s['parameters']:,}", fmt_bytes(s["peak_bytes"]),
+        table.add_row(str(s["stage"]), *([", ".join(map(str, s["holds"]))] if looped else []),
+                      f"{s['parameters']:,}", fmt_bytes(s["peak_bytes"]),
                       *([fmt_bytes(s["device_peak_bytes"])] if gpu else []), str(s["peak_phase"]))
     bound = max(est.stages, key=_stage_peak)
     what = "device use" if gpu else "live tensors"
-    line = Text(f"stage {bound['stage']} bounds the budget: {fmt_bytes(_stage_peak(bound))} of {what}, the highest "
-                "stage's; the figures above are its own")
+    unit = "rank" if looped else "stage"
+    line = Text(f"{unit} {bound['stage']} bounds the budget: {fmt_bytes(_stage_peak(bound))} of {what}, the highest "
+                f"{unit}'s; the figures above are its own")
     return Group(table, line)
 
 

@@ -623,7 +623,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
           resume: bool = False, schedule: str | None = None, warmup: int | None = None, progress: bool = True,
           console=None, deterministic: bool | None = None, gpus: int = 1,
           data_parallel: str | None = None, allow=(), tp: int = 1, pp: int = 1,
-          pp_schedule: str = "1f1b") -> RunResult:
+          pp_schedule: str = "1f1b", pp_virtual: int | None = None) -> RunResult:
     """Train for `steps` optimizer steps of `global_batch` samples. Without `config` (or `micro_batch`) the
     planner chooses one for the budget; with one, it is the starting point OOM recovery may still change.
 
@@ -661,6 +661,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
             are gpus / tp.
         pp, pp_schedule: of the `gpus` ranks, how many pipeline stages the blocks split over, and their
             schedule (`Config.pp`, `Config.pp_schedule`); the data-parallel ranks are gpus / (pp x tp).
+        pp_virtual: stages a pipeline rank holds under the interleaved schedules (`Config.pp_virtual`).
         allow: techniques that change the math the plan may use (`plan`'s `allow`: "8bit-optim").
 
     Returns:
@@ -716,7 +717,7 @@ def train(workload: Workload, steps: int, global_batch: int, *, budget=None, dev
         return _train(workload, identity, out, state, path, budget=budget, device=device, config=config,
                       micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                       keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus, layout=layout,
-                      recovery=recovery, allow=allow, tp=tp, pp=pp, pp_schedule=pp_schedule)
+                      recovery=recovery, allow=allow, tp=tp, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual)
 
 
 def unsharded_on_stages(path) -> str:
@@ -755,7 +756,7 @@ def _check_layout(gpus, data_parallel, global_batch, micro_batch, budget, tp=1, 
 
 def _train(workload, identity, out, state, path, *, budget, device, config, micro_batch, precision,
            checkpoint_every, keep_checkpoints, progress, console, gpus=1, layout="none", recovery=None,
-           allow=(), tp=1, pp=1, pp_schedule="1f1b") -> RunResult:
+           allow=(), tp=1, pp=1, pp_schedule="1f1b", pp_virtual=None) -> RunResult:
     from memfit.planner.search import plan, resolve_budget
     from memfit.report.plots import plot_loss, plot_memory_timeline, plot_noise_scale
 
@@ -769,7 +770,7 @@ def _train(workload, identity, out, state, path, *, budget, device, config, micr
                                micro_batch=micro_batch, precision=precision, checkpoint_every=checkpoint_every,
                                keep_checkpoints=keep_checkpoints, progress=progress, console=console, gpus=gpus,
                                layout=layout, budget=budget_bytes, recovery=recovery, tp=tp, pp=pp,
-                               pp_schedule=pp_schedule)
+                               pp_schedule=pp_schedule, pp_virtual=pp_virtual)
     if state is not None:  # the run goes on in the configuration it was saved in
         config = _on_one_rank(Config.from_dict(state["config"]), global_batch)
         start = _saved_plan(out, config) or predict(workload, config, dev)
@@ -841,7 +842,7 @@ def rank_micro_batch(share: int, pp: int = 1) -> int:
 
 def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config, micro_batch, precision,
                     checkpoint_every, keep_checkpoints, progress, console, gpus, layout, budget,
-                    recovery, tp=1, pp=1, pp_schedule="1f1b") -> RunResult:
+                    recovery, tp=1, pp=1, pp_schedule="1f1b", pp_virtual=None) -> RunResult:
     """`_train` as one of `gpus` ranks (gpus / (pp x tp) data-parallel ones, each `tp` ranks splitting the blocks,
     which draw the same rows, in each of `pp` pipeline stages): rank 0 predicts (before the world exists: the
     estimate traces a fake one), every rank joins, trains its share, checkpoints together; rank 0 writes the run
@@ -863,7 +864,7 @@ def _train_on_ranks(workload, identity, out, state, path, *, device, dev, config
     config = Config(micro_batch=micro, grad_accum=share // micro,
                     precision=(saved.precision if saved is not None else precision or defaults_for(dev).precision),
                     activation_checkpoint=saved.activation_checkpoint if saved is not None else "none",
-                    gpus=dp, data_parallel=layout, tp=tp, pp=pp, pp_schedule=pp_schedule)
+                    gpus=dp, data_parallel=layout, tp=tp, pp=pp, pp_schedule=pp_schedule, pp_virtual=pp_virtual)
     rank0 = int(os.environ["RANK"]) == 0
     start = Prediction(config, None, None, "rank 0 predicts")
     if rank0:  # memory per rank; the step time is not predicted (predict)

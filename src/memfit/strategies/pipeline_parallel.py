@@ -1,5 +1,6 @@
 """Pipeline parallelism: the repeated blocks split over `Config.pp` ranks, each micro-batch's activations
-sent from stage to stage, on torch.distributed.pipelining's own schedules (`ScheduleGPipe`, `Schedule1F1B`).
+sent from stage to stage, on torch.distributed.pipelining's own schedules (`ScheduleGPipe`, `Schedule1F1B`,
+`ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`).
 
 A stage is the workload's own model and loss with the parts other stages own taken out, so any model whose
 forward runs its repeated blocks in order splits without being rewritten:
@@ -16,10 +17,20 @@ forward runs its repeated blocks in order splits without being rewritten:
 Every stage is fed the step's micro-batches too (the engine passes keyword arguments to every stage), so the
 loss sees its labels, and a stage's rotary tables and masks are computed where they are used, as on one GPU.
 Weights shared between an embedding and the head (tied) would need their gradients summed across stages: refused.
+
+The interleaved schedules give a rank several stages (`Config.pp_virtual`), placed as torch's looped schedules
+place them: rank r holds stages r, r + pp, r + 2 pp, ... The rank keeps one model holding all its stages' blocks
+under the model's own names (one optimizer, one checkpoint as before); each stage is a `_Stage` over that model
+which, while its forward runs, takes out the rank's blocks of its earlier stages (and the embeddings, after
+stage 0), so a stage starts where its input arrives. For zero bubble this is torch's
+`ScheduleInterleavedZeroBubble` (ZB1P) rather than `ScheduleZBVZeroBubble`: the same looped placement and cut as
+interleaved 1F1B, so the two differ only in splitting each backward into its input and weight halves (what the
+memory comparison between them isolates), and any `pp_virtual` >= 2 works where ZB-V needs exactly 2 in a V.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 
 import torch
@@ -35,10 +46,12 @@ from memfit.workload import split_batch
 __all__ = ["Pipeline", "stage_blocks"]
 
 
-def stage_blocks(blocks: int, stages: int) -> list[range]:
+def stage_blocks(blocks: int, stages: int, ranks: int | None = None) -> list[range]:
     """The blocks of each stage: an even split, the first `blocks % stages` stages taking one more."""
     if blocks < stages:
-        raise ConfigError(f"{stages} pipeline stages need at least {stages} repeated blocks; the model has {blocks}")
+        how = f" ({ranks} ranks x {stages // ranks} stages a rank)" if ranks and ranks != stages else ""
+        raise ConfigError(f"{stages} pipeline stages{how} need at least {stages} repeated blocks; the model has "
+                          f"{blocks}")
     size, extra = divmod(blocks, stages)
     out, start = [], 0
     for s in range(stages):
@@ -88,18 +101,22 @@ class _EmbeddingStandIn(torch.nn.Module):
 
 
 class _Stage(torch.nn.Module):
-    """One stage's forward: the workload's loss on the stage's part of the model."""
+    """One stage's forward: the workload's loss on the stage's part of the model. `away`: the rank's modules
+    another of its stages runs before this one's blocks, each with its stand-in, swapped out while it runs."""
 
-    def __init__(self, model: torch.nn.Module, loss, weight: float):
+    def __init__(self, model: torch.nn.Module, loss, weight: float, away: list | None = None, lead=None):
         super().__init__()
         self.model = model
         self.loss, self.weight = loss, weight
+        self.away = away or []
+        self.lead = lead or self  # whose on_forward / on_backward the step set (the rank's first stage)
         self.received: torch.Tensor | None = None
         self.on_forward = self.on_backward = lambda: None
 
     def forward(self, *received: torch.Tensor, batch):
-        self.on_forward()
+        self.lead.on_forward()
         self.received = received[0] if received else None
+        kept = [(name, _swap(self.model, name, stand_in)) for name, stand_in in self.away]
         try:
             # shape (1,): the engine concatenates the last stage's outputs
             out = (self.loss(self.model, batch).float() * self.weight).reshape(1)
@@ -107,40 +124,54 @@ class _Stage(torch.nn.Module):
             out = handoff.hidden
         finally:
             self.received = None
+            for name, mod in kept:
+                _swap(self.model, name, mod)
         if out.requires_grad:
             out.register_hook(self._backward_starts)
         return out
 
     def _backward_starts(self, grad):
-        self.on_backward()
+        self.lead.on_backward()
 
 
 class Pipeline:
-    """This rank's stage of a `config.pp`-stage pipeline of `model`, and the schedule that runs it.
+    """This rank's stages of a `config.pp`-rank pipeline of `model`, and the schedule that runs them.
 
     `model` is the whole model, built identically on every rank (same seed), with memfit's other strategies
-    applied; the stage keeps its part in place. `module` is what the optimizer and the step see."""
+    applied; the rank keeps its stages' parts in place. `module` is the rank's first stage (the step hooks its
+    phases there); `modules` all of them, in the rank's order."""
 
     def __init__(self, model: torch.nn.Module, loss, config: Config, device: torch.device):
         self.config, self.device = config, device
         if config.gpus > 1:  # stages of data-parallel ranks: this rank's coordinate on the mesh's pipeline axis
             axis = device_mesh(config, device)["pp"]
-            self.stage, self.group = axis.get_local_rank(), axis.get_group()
+            self.rank, self.group = axis.get_local_rank(), axis.get_group()
         else:
-            self.stage, self.group = dist.get_rank(), None
-        stage = self.stage
-        self.first, self.last = stage == 0, stage == config.pp - 1
+            self.rank, self.group = dist.get_rank(), None
+        # the looped placement torch's interleaved schedules use: rank r holds stages r, r + pp, ...
+        self.indices = [self.rank + k * config.pp for k in range(config.pp_virtual)]
+        self.first, self.last = self.rank == 0, self.rank == config.pp - 1
         self.names = find_blocks(model)
         if not self.names:
             raise ConfigError("pipeline parallelism splits the repeated blocks: found none in this model")
-        self.blocks = stage_blocks(len(self.names), config.pp)[stage]
+        split = stage_blocks(len(self.names), config.stages, config.pp)
+        self.ranges = [split[g] for g in self.indices]
         self._refuse_tied(model)
-        self.module = _Stage(model, loss, 1 / config.grad_accum)
-        self._cut(model)
+        before, after = self._parts(model)
+        self._cut(model, before, after)
+        self.modules = []
+        for k, g in enumerate(self.indices):
+            # what the rank's earlier stages run before this one's blocks: out while this one runs
+            away = [(self.names[i], _Skipped()) for r in self.ranges[:k] for i in r]
+            if g > 0 and self.first:
+                away += [(name, _stand_in(model, name)) for name in before]
+            self.modules.append(_Stage(model, loss, 1 / config.grad_accum, away,
+                                       self.modules[0] if self.modules else None))
+        self.module = self.modules[0]
         # the parts taken out can sit in reference cycles (a module and its own methods): freed now, as a real
         # rank must free them, rather than whenever the collector runs (a trace counts every live tensor)
         gc.collect()
-        self.engine = None
+        self.engines: list = []
         self.schedule = None
         self.handoff_bytes = 0  # what a stage sends on per micro-batch (known at the first step)
 
@@ -177,66 +208,53 @@ class Pipeline:
 
     @property
     def kept(self) -> list[str]:
-        """The names of this stage's own blocks."""
-        return [self.names[i] for i in self.blocks]
+        """The names of this rank's own blocks, every stage's."""
+        return [self.names[i] for r in self.ranges for i in r]
 
-    def _cut(self, model: torch.nn.Module) -> None:
-        modules = dict(model.named_modules())
-        before, after = self._parts(model)
+    def _cut(self, model: torch.nn.Module, before: list[str], after: list[str]) -> None:
+        owned = {i for r in self.ranges for i in r}
         for i, name in enumerate(self.names):
-            if i not in self.blocks:
+            if i not in owned:
                 _replace(model, name, _Skipped())
         if not self.first:
             for name in before:
-                mod = modules[name]
-                if not isinstance(mod, torch.nn.Embedding):
-                    raise ConfigError(f"pipeline parallelism: {name} ({type(mod).__name__}) runs before the first "
-                                      "block and is not an embedding: not split yet")
-                _replace(model, name, _EmbeddingStandIn(mod.embedding_dim, mod.weight.dtype))
+                _replace(model, name, _stand_in(model, name))
         if not self.last:
             for name in after:
                 _replace(model, name, _Elsewhere(name))
 
     def attach(self) -> None:
-        """Hook the stage's ends, once the other strategies are applied: the received hidden state goes in
+        """Hook each stage's ends, once the other strategies are applied: the received hidden state goes in
         before FSDP's own pre-forward (which casts it and hooks its gradient), and the handoff comes after FSDP's
         post-forward (which reshards and registers the unit's backward)."""
         modules = dict(self.module.model.named_modules())
-        if not self.first:
-            modules[self.names[self.blocks.start]].register_forward_pre_hook(self._receive, with_kwargs=True,
-                                                                               prepend=True)
-        if not self.last:
-            modules[self.names[self.blocks.stop - 1]].register_forward_hook(_hand_off)
-
-    def _receive(self, module, args, kwargs):
-        hidden = self.module.received
-        if hidden is None:  # the probe for the handoff's shape: the stand-in's zeros pass through
-            return None
-        if args:
-            return (hidden, *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": hidden}
-        raise ConfigError(f"pipeline parallelism: {type(module).__name__} takes its hidden state neither first nor "
-                          "as hidden_states")
+        for stage, g, blocks in zip(self.modules, self.indices, self.ranges):
+            if g > 0:
+                modules[self.names[blocks.start]].register_forward_pre_hook(
+                    functools.partial(_receive, stage), with_kwargs=True, prepend=True)
+            if g < self.config.stages - 1:
+                modules[self.names[blocks.stop - 1]].register_forward_hook(_hand_off)
 
     # ---------------------------------------------------------------------------------------- the engine
 
     def step(self, batch, micro_batch: int) -> torch.Tensor:
         """One step's forwards and backwards over `batch`'s micro-batches under the schedule; the mean loss
         on the last stage (zero elsewhere)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
         n = self.config.grad_accum
         if self.schedule is None:
             handoff = self._handoff_meta(batch, micro_batch)
             self.handoff_bytes = handoff.numel() * handoff.element_size()
             loss_meta = torch.empty(1, device=self.device, requires_grad=True)
-            self.engine = PipelineStage(
-                self.module, self.stage, self.config.pp, self.device,
-                input_args=() if self.first else (handoff,), output_args=(loss_meta if self.last else handoff,),
-                group=self.group)
-            kind = ScheduleGPipe if self.config.pp_schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(self.engine, n_microbatches=n, loss_fn=_weighted_loss, scale_grads=False)
+            last = self.config.stages - 1
+            self.engines = [PipelineStage(stage, g, self.config.stages, self.device,
+                                          input_args=() if g == 0 else (handoff,),
+                                          output_args=(loss_meta if g == last else handoff,), group=self.group)
+                            for stage, g in zip(self.modules, self.indices)]
+            kind = _schedule(self.config.pp_schedule)
+            self.schedule = kind(self.engines if self.config.pp_virtual > 1 else self.engines[0], n_microbatches=n,
+                                 loss_fn=_weighted_loss, scale_grads=False)
             if dist.get_backend() == "fake":
                 static_pipeline_metadata(self.schedule)
         losses: list[torch.Tensor] = []
@@ -260,7 +278,7 @@ class Pipeline:
             raise _Handoff(seen[-1])
 
         # this stage's first block: on a later stage it runs on the embedding stand-in's zeros
-        first_block = dict(model.named_modules())[self.names[self.blocks.start]]
+        first_block = dict(model.named_modules())[self.names[self.ranges[0].start]]
         handle = first_block.register_forward_hook(grab, prepend=True)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -282,6 +300,27 @@ class Pipeline:
         return squared.sqrt()
 
 
+def _schedule(name: str):
+    """torch's class for a `Config.pp_schedule`."""
+    from torch.distributed import pipelining as pp
+
+    return {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B, "interleaved-1f1b": pp.ScheduleInterleaved1F1B,
+            "zero-bubble": pp.ScheduleInterleavedZeroBubble}[name]
+
+
+def _receive(stage: _Stage, module, args, kwargs):
+    """Before a stage's first block: the hidden state it received in place of the one the model computed."""
+    hidden = stage.received
+    if hidden is None:  # the probe for the handoff's shape: the stand-in's zeros pass through
+        return None
+    if args:
+        return (hidden, *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": hidden}
+    raise ConfigError(f"pipeline parallelism: {type(module).__name__} takes its hidden state neither first nor "
+                      "as hidden_states")
+
+
 def _weighted_loss(out: torch.Tensor, target) -> torch.Tensor:
     """The last stage's output is already the micro-batch's loss, weighted by its share of the batch."""
     return out.sum()
@@ -294,3 +333,19 @@ def _hand_off(module, args, output):
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _swap(model: torch.nn.Module, name: str, new: torch.nn.Module) -> torch.nn.Module:
+    """`new` in place of the module named `name`, which is returned."""
+    old = model.get_submodule(name)
+    _replace(model, name, new)
+    return old
+
+
+def _stand_in(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """An embedding's zero-stride stand-in, for a stage that does not run it."""
+    mod = model.get_submodule(name)
+    if not isinstance(mod, torch.nn.Embedding):
+        raise ConfigError(f"pipeline parallelism: {name} ({type(mod).__name__}) runs before the first block and is "
+                          "not an embedding: not split yet")
+    return _EmbeddingStandIn(mod.embedding_dim, mod.weight.dtype)
