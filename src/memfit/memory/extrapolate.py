@@ -138,7 +138,7 @@ def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) ->
         return None, "a pipeline or routing bound"
     if len({e.peak_phase for e in ests}) != 1:
         return None, "the peak moves between phases"
-    first, second, third = (p.stream for p in probes)
+    first, second, third = streams.written([p.stream for p in probes])
     runs = streams.insertions(first, second)
     if runs is None:
         return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"

@@ -2,8 +2,8 @@
 
 `LiveBytes` records (storage id, +bytes) and (storage id, -bytes); ids differ between traces, so each event
 is written instead as its storage's class (size, category, phase, op, dtype, shape, module with its block
-index left out, source line) and a free as which live storage of its class it frees (the newest but n, or
-the oldest but n, whichever count is 0 or smaller). A copy with one more block then reads as the shallower
+index left out, source line) and a free as which live storage of its class it frees (`written`: the newest
+but n, or the oldest but n). A copy with one more block then reads as the shallower
 stream with runs inserted (one block's forward, backward, optimizer update...): `insertions` finds them,
 `repeat` writes the stream with k blocks more, `events` turns it back into (id, ±bytes) for the allocator.
 """
@@ -22,12 +22,11 @@ def storage_class(category, info) -> tuple:
 
 
 def tokens(events: list[tuple[int, int]], classes: dict) -> list[tuple]:
-    """(+bytes, class) for an allocation, (-bytes, class, "n"|"o", count) for a free."""
+    """(+bytes, class) for an allocation, (-bytes, class, newer, older) for a free: how many live storages
+    of its class are newer and older than the one it frees."""
     live: dict[tuple, list[int]] = {}
     out: list[tuple] = []
-    for key, delta in events:
-        if delta == 0:
-            continue
+    for key, delta in _frees_in_order(events):
         c = (abs(delta), classes[key])
         if delta > 0:
             live.setdefault(c, []).append(key)
@@ -36,10 +35,45 @@ def tokens(events: list[tuple[int, int]], classes: dict) -> list[tuple]:
         keys = live[c]
         i = keys.index(key)
         del keys[i]
-        newer, older = len(keys) - i, i
-        out.append((delta, c[1], "n", newer) if newer == 0 or (older and newer <= older) else
-                   (delta, c[1], "o", older))
+        out.append((delta, c[1], len(keys) - i, i))
     return out
+
+
+def _frees_in_order(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The events without empty ones, and each run of frees with no allocation between them in the order
+    their storages were allocated. What a run of frees leaves is the same in any order (the allocator merges
+    each freed block with its free neighbours), but the order is not always the blocks' (autocast lets its
+    cache go in its hash table's order)."""
+    made: dict[int, int] = {}
+    out: list[tuple[int, int]] = []
+    frees: list[tuple[int, int]] = []
+    for key, delta in events:
+        if delta < 0:
+            frees.append((key, delta))
+            continue
+        out += sorted(frees, key=lambda e: made[e[0]])
+        frees.clear()
+        if delta > 0:
+            made[key] = len(out)
+            out.append((key, delta))
+    return out + sorted(frees, key=lambda e: made[e[0]])
+
+
+def written(streams: list[list[tuple]]) -> list[list[tuple]]:
+    """The streams with each free saying which storage it frees in words that hold at any depth: a class
+    whose frees take its newest live storage in every stream (a backward freeing what its block saved)
+    says "the newest but n"; one that always takes the oldest (an autocast cache let go in the order it
+    was filled) says "the oldest but n"; any other class the smaller count (ties: the newest)."""
+    not_newest = {t[1] for s in streams for t in s if t[0] < 0 and t[2]}
+    not_oldest = {t[1] for s in streams for t in s if t[0] < 0 and t[3]}
+
+    def word(t: tuple) -> tuple:
+        if t[0] > 0:
+            return t
+        newest = t[1] not in not_newest or (t[1] in not_oldest and t[2] <= t[3])
+        return (t[0], t[1], "n", t[2]) if newest else (t[0], t[1], "o", t[3])
+
+    return [[word(t) for t in s] for s in streams]
 
 
 def events(stream: list[tuple]) -> list[tuple[int, int]]:

@@ -1,0 +1,77 @@
+"""An estimate counted from three shallow copies gives the whole model's trace's figures to the byte, on a GPU
+target (the caching allocator's reserved peak included) and on the CPU, for models of several kinds; where it
+does not apply the whole model is traced, and nothing says extrapolated."""
+import pytest
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+
+from memfit.config import Config  # noqa: E402
+from memfit.memory import streams  # noqa: E402
+from memfit.memory.estimate import estimate  # noqa: E402
+from memfit.memory.extrapolate import estimate_blocks, layer_plan  # noqa: E402
+from memfit.workloads import hf  # noqa: E402
+
+LAYERS = 12  # copies of 1, 2, 3 blocks hold half of them: the least depth extrapolated
+SMALL = dict(hidden_size=64, num_attention_heads=4, vocab_size=512, num_hidden_layers=LAYERS)
+KINDS = {
+    "llama": dict(SMALL, intermediate_size=128, num_key_value_heads=2),                       # dense
+    "mixtral": dict(SMALL, intermediate_size=64, num_key_value_heads=2, num_local_experts=4),  # MoE
+    "mamba": dict(hidden_size=64, state_size=8, vocab_size=512, num_hidden_layers=LAYERS),    # Mamba family
+    "vit": dict(SMALL, intermediate_size=128, image_size=32, patch_size=8),                   # vision
+}
+
+
+def _workload(kind: str, **fields):
+    return hf.from_config(transformers.AutoConfig.for_model(kind, **fields), name=kind,
+                          **({} if kind == "vit" else {"seq": 8 if kind == "mamba" else 16}))
+
+
+def _figures(e) -> tuple:
+    return (e.peak_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes, e.device_peak_bytes, e.breakdown,
+            e.model_state_bytes, e.phase_peaks, e.peak_phase, e.flops, e.parameters)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_extrapolated_estimate_is_the_full_trace(kind):
+    wl = _workload(kind, **KINDS[kind])
+    config = Config(micro_batch=1, precision="bf16")
+    counted = estimate_blocks(wl, config, "h100", isolate=False)
+    full = estimate(wl, config, "h100", isolate=False)
+    assert counted.extrapolated_from == (3, LAYERS)
+    assert counted.notes[0].startswith(f"extrapolated from 3 of {LAYERS} blocks")
+    assert _figures(counted) == _figures(full)
+    assert full.extrapolated_from is None and counted.to_dict()["extrapolated_from"] == (3, LAYERS)
+
+
+def test_extrapolated_on_the_cpu():
+    wl = _workload("llama", **KINDS["llama"])
+    counted = estimate_blocks(wl, Config(micro_batch=2), "cpu", isolate=False)
+    assert counted.extrapolated_from == (3, LAYERS)
+    assert _figures(counted) == _figures(estimate(wl, Config(micro_batch=2), "cpu", isolate=False))
+
+
+def test_where_it_does_not_apply_the_whole_model_is_traced():
+    # an encoder-decoder's blocks are two lists (T5: encoder and decoder); a model too shallow for copies
+    # holding at most half of its blocks
+    t5 = _workload("t5", d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=LAYERS, vocab_size=512)
+    shallow = _workload("llama", **dict(KINDS["llama"], num_hidden_layers=8))
+    assert layer_plan(t5) is None and layer_plan(shallow) is None
+    est = estimate_blocks(shallow, Config(micro_batch=1), "cpu", isolate=False)
+    assert est.extrapolated_from is None and est.timeline["index"]
+
+
+def test_stream_with_blocks_inserted_repeats():
+    """Two blocks' stream is one block's with its runs inserted; three are the same runs twice."""
+    def step(blocks):  # params made, a forward keeping one activation a block, a backward freeing them
+        ev = [(f"p{i}", 8) for i in range(blocks)] + [("x", 4)]
+        ev += [(f"a{i}", 16) for i in range(blocks)]
+        ev += [(f"a{i}", -16) for i in reversed(range(blocks))] + [("x", -4)]
+        return streams.tokens(ev, {k: k[0] for k, _ in ev})
+
+    one, two, five = streams.written([step(1), step(2), step(5)])
+    runs = streams.insertions(one, two)
+    assert streams.repeat(one, runs, 1) == two and streams.repeat(one, runs, 4) == five
+    assert streams.peak(five) == 5 * 8 + 4 + 5 * 16
+    # the frees at the end, with no allocation between them, in the order their storages were made
+    assert streams.events(two) == [(0, 8), (1, 8), (2, 4), (3, 16), (4, 16), (2, -4), (3, -16), (4, -16)]
