@@ -226,3 +226,100 @@ def test_train_warns_when_live_memory_grows_between_steps(tmp_path):
     clean = memfit.train(load_workload("mlp-tiny"), steps=12, global_batch=8, micro_batch=4, budget="10MiB",
                          out=tmp_path / "clean", progress=False)
     assert clean.report["live_growth"] is None
+
+
+SERVICE = '''
+import torch
+
+W = torch.randn(64, 64)
+OUTPUTS = []
+CACHE = {}
+
+
+class Engine:
+    def __init__(self):
+        self.history = []
+        self.kv = None
+
+    def step(self):
+        if self.kv is None:
+            self.kv = torch.zeros(256, 64)
+        out = torch.relu(torch.randn(8, 64) @ W)
+        self.history.append(out)
+        return out
+
+
+engine = Engine()
+
+
+def leaky():
+    kept = torch.relu(torch.randn(8, 64) @ W)
+    OUTPUTS.append(kept)
+    return kept.sum().item()
+
+
+def cached():
+    if "kv" not in CACHE:
+        CACHE["kv"] = torch.zeros(1024, 64)
+    return (torch.randn(8, 64) @ W).sum().item()
+
+
+def engined():
+    return engine.step().sum().item()
+'''
+
+
+def _line(text: str) -> int:
+    return next(i for i, line in enumerate(SERVICE.splitlines(), 1) if text in line)
+
+
+def test_the_serving_doctor_names_what_keeps_each_requests_tensors(tmp_path, capsys, monkeypatch):
+    """A handler that keeps every request's output in a global list grows by that output (8 x 64 fp32) a request,
+    named with the list and the line that appends; an engine object's list is named through the global holding
+    the engine, and its cache made once is held, not growing. CLI exit status 1 on growth, as for training leaks."""
+    from memfit.runtime.leaks import load_handler, watch_service
+
+    (tmp_path / "svc.py").write_text(SERVICE)
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = _doctor(capsys, "--serve", "svc.py:leaky", "--requests", "6")
+    assert rc == 1
+    assert f"GROWS 2 KiB a request (6 tensor(s) from 6 of 6 requests) made at svc.py:{_line('kept = torch.relu')}" in out
+    assert f"list `OUTPUTS` (module svc.py; grows at svc.py:{_line('OUTPUTS.append')}: OUTPUTS.append(kept))" in out
+    report = watch_service(load_handler("svc.py:engined"), 6)
+    growing, held = report.kept
+    assert growing.grows and growing.bytes_per_request == 8 * 64 * 4 and growing.tensors == 6
+    assert "list `history` (attribute of Engine `engine` in module svc.py; grows at" in growing.holder
+    assert not held.grows and held.bytes == 256 * 64 * 4 and held.requests == [1]
+    assert "attribute `kv` (attribute of Engine `engine`" in held.holder
+    assert report.live_after == [256 * 64 * 4 + 8 * 64 * 4 * r for r in range(1, 7)]
+
+
+def test_the_serving_doctor_holds_a_cache_made_once_without_alarm(tmp_path, capsys, monkeypatch):
+    """A cache filled on the first request and reused is held, not growing (exit 0); the rest of the process's
+    memory is the allocator's: on a CPU PyTorch caches nothing and malloc_trim says what malloc kept."""
+    (tmp_path / "svc.py").write_text(SERVICE)
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = _doctor(capsys, "--serve", "svc.py:cached", "--requests", "5")
+    assert rc == 0 and "no growth" in out
+    assert "HELD 256 KiB, not growing (1 tensor(s) made in request(s) 1)" in out
+    assert "dict `CACHE` (module svc.py; filled at" in out
+    assert "PyTorch's CPU allocator caches nothing" in out
+    rc, _, err = _doctor(capsys, "--serve", "svc.py:missing")
+    assert rc == 2 and "has no function 'missing'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_serving_doctor_tells_cached_cuda_memory_from_tensors():
+    """On a GPU the figures after the requests are the caching allocator's: what is reserved and not allocated is
+    its cache, and the snapshot reader says what empty_cache() would hand back (the allocator model's checkerboard:
+    ten 4 MiB tensors freed between live ones leave no segment empty)."""
+    from test_snapshot import checkerboard
+
+    from memfit.memory.snapshot import explain_snapshot
+    from memfit.runtime.leaks import ServeReport, allocator_lines
+
+    snap = explain_snapshot(checkerboard(big=None).snapshot())
+    report = ServeReport("app:handle", "cuda", 0, [0] * 5, [], [snap.reserved] * 5, [snap.allocated] * 5,
+                         snapshot=snap)
+    text = "\n".join(allocator_lines(report))
+    assert "80 MiB reserved, 40 MiB allocated to tensors, 40 MiB cached" in text
+    assert "empty_cache() would return 0 B" in text and "gunicorn -w N" in text

@@ -507,12 +507,21 @@ def _describe_workload(name: str) -> dict:
 
 
 def cmd_doctor(args) -> int:
-    """Three doctors behind one door: --oom explains an out-of-memory message (with a workload, what the step
+    """Four doctors behind one door: --oom explains an out-of-memory message (with a workload, what the step
     holds at its peak and the fastest configuration that fits); a snapshot pickle is explained; a workload is
-    watched for leaks over --steps real steps."""
+    watched for leaks over --steps real steps; --serve calls a request handler --requests times and says what
+    the requests leave alive."""
     from memfit.memory.devices import get_device
 
     _check_counts(args, "micro_batch", "grad_accum", "steps", "pp")
+    if args.serve is not None:
+        from memfit.runtime.leaks import load_handler, watch_service
+
+        if args.target or args.oom is not None:
+            raise ConfigError("--serve watches a request handler on its own; leave out the workload, snapshot or --oom")
+        report = watch_service(load_handler(args.serve), args.requests, name=args.serve)
+        print(report.render())
+        return 1 if report.growing else 0  # as for leaks in training steps: growth fails a script
     if args.oom is not None:
         from memfit.memory.snapshot import explain_oom, parse_oom_message
 
@@ -752,7 +761,7 @@ def _add_train_command(sub) -> None:
 
 
 def _add_doctor_command(sub) -> None:
-    """`memfit doctor`: leaks in real steps, an allocator snapshot, an OOM message."""
+    """`memfit doctor`: leaks in real steps, an allocator snapshot, an OOM message, a serving handler."""
     p = sub.add_parser("doctor", help="explain memory: leaks in a workload's real steps, a CUDA allocator "
                                       "snapshot (.pickle), or an out-of-memory message (--oom)")
     p.add_argument("target", nargs="?", help="a workload (watched for leaks) or a snapshot from "
@@ -763,6 +772,10 @@ def _add_doctor_command(sub) -> None:
     p.add_argument("--oom", metavar="MESSAGE", help="a CUDA out-of-memory message to explain; with a workload and "
                                                     "--device, also what its step holds and a configuration that fits")
     p.add_argument("--device", help="the GPU: its context size for a snapshot, its catalogue entry for --oom")
+    p.add_argument("--serve", metavar="FILE.py:FUNCTION", help="a serving process's request handler (or "
+                   "module:function), called with no arguments once a request in this process: which tensors the "
+                   "requests leave alive and what keeps them, told from memory the allocator only caches")
+    p.add_argument("--requests", type=int, default=20, help="requests --serve makes (default: %(default)s)")
     p.set_defaults(fn=cmd_doctor)
 
 
