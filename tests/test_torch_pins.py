@@ -36,6 +36,7 @@ def test_the_shim_exports_only_what_is_pinned_here():
     pinned |= {"storage_uses", "current_autograd_node"}  # autograd's gradient sums, in place where a real step's are
     pinned |= {"WAIT_TENSOR"}  # DTensor's collectives on fake tensors (tensor parallelism)
     pinned |= {"mesh_concatenation_on_real_tensors"}  # FSDP2 over TP's DTensor parameters on fake tensors
+    pinned |= {"p2p_works_hold_tensors", "static_pipeline_metadata"}  # pipeline schedules in a fake world
     assert set(ti.__all__) == pinned
 
 
@@ -766,3 +767,33 @@ def test_a_functional_collectives_wait_is_the_pinned_op_and_its_fake_kernel_make
         out = op(x)
         assert ti.storage_key(out) != ti.storage_key(x)
         assert fix_fake_outputs(op, (x,), {}, out) is x
+
+
+def _names_used(code) -> set[str]:
+    """Global names a function reads, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names_used(const)
+    return names
+
+
+def test_pipeline_schedules_send_through_the_module_level_batch_p2p_and_vote_on_shapes_in_warmup_p2p():
+    """p2p_works_hold_tensors swaps schedules._batch_p2p, which every schedule memfit runs must look up as a
+    module global when it sends or receives (single-stage 1F1B and GPipe through _sorted_batch_p2p, the
+    multi-stage runtime of the interleaved schedules directly); static_pipeline_metadata replaces the start-up shape vote, `_warmup_p2p`, which
+    `_initialize_pp_stages` calls. The runtime keeps its send works in a list it drains after the last action."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    assert "_batch_p2p" in _names_used(schedules._sorted_batch_p2p.__code__)  # the single-stage schedules' way
+    for kind in (schedules.ScheduleGPipe, schedules.Schedule1F1B, schedules.ScheduleInterleaved1F1B,
+                 schedules.ScheduleInterleavedZeroBubble):
+        assert {"_batch_p2p", "_sorted_batch_p2p"} & _names_used(kind._step_microbatches.__code__), kind
+    assert callable(schedules._batch_p2p)
+    assert "_warmup_p2p" in _names_used(schedules._PipelineSchedule._initialize_pp_stages.__code__)
+    assert list(inspect.signature(schedules._PipelineSchedule._warmup_p2p).parameters) == [
+        "self", "stages", "has_backward", "p2p_done"]
+    runtime = inspect.getsource(schedules._PipelineScheduleRuntime._step_microbatches)
+    assert "send_ops.append(_batch_p2p(" in runtime and "while send_ops:" in runtime

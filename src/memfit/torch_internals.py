@@ -30,7 +30,7 @@ __all__ = ["ACCUMULATE_GRAD", "answer_device_query", "autocast_disabled", "autoc
            "fast_cache_size", "add_fast_cache_entries", "function_modes", "function_modes_again",
            "grad_scaler_tensors", "held_by", "import_dynamo", "keep_tensors_on_unchanged_conversion",
            "make_op_outputs_swappable", "mesh_concatenation_on_real_tensors", "memory_history", "memory_snapshot",
-           "memory_viz", "profiler_allocations",
+           "memory_viz", "p2p_works_hold_tensors", "profiler_allocations", "static_pipeline_metadata",
            "profiler_call_allocations", "profiler_memory_timeline", "profiler_surviving_allocations", "replicate",
            "stand_ins_for_rng_state_copies", "storage_key", "storage_uses", "tensor_version", "TorchDispatchMode",
            "tree_leaves", "trunc_normal_skipped", "unset_fake_temporarily", "WAIT_TENSOR"]
@@ -227,7 +227,8 @@ def p2p_works_hold_tensors():
     """A fake world's point-to-point works are done at once and hold nothing; a real backend's hold their
     tensors until the work object is dropped, and torch's 1F1B schedule keeps the works of its last
     warm-up send through the whole steady phase (one micro-batch's activations past its backward, measured
-    on gloo ranks). Inside this, the pipeline schedules' sends and receives hold their tensors so."""
+    on gloo ranks), and the multi-stage runtime (interleaved 1F1B, zero bubble) keeps every send's works until
+    the step ends. Inside this, the pipeline schedules' sends and receives hold their tensors so."""
     from torch.distributed.pipelining import schedules
 
     batch = schedules._batch_p2p
