@@ -11,7 +11,8 @@ logs, and how long `memfit infer` takes.
    transformers' manager and batch processor traced on fake tensors against the allocator's peak in the manager's
    thread (truth.generate_batch_peak).
 2. Published vLLM logs, each row's settings as its log gives them: weights ("Loading model weights took",
-   "model weights take") and the KV cache ("kv_cache_size", "# GPU blocks", "available_kv_cache_memory").
+   "model weights take", "Model loading took") and the KV cache ("kv_cache_size", "# GPU blocks", "Available KV
+   cache memory", "GPU KV cache size: N tokens", "Maximum concurrency").
 3. Wall time of the `memfit infer` command (a fresh process: imports included) for Llama 3.1 8B and 70B on an H100.
 """
 from __future__ import annotations
@@ -47,6 +48,14 @@ WHOLE = "whole"
 BATCH_POINTS = [(1, 16, 4, WHOLE), (2, 40, 4, WHOLE), (4, 60, 4, WHOLE), (4, 48, 4, 32), (4, 48, 4, 64),
                 (8, 60, 4, 100), (4, 48, 4, None)]
 
+# llm-d-planner's capacity-planner validation (github.com/llm-d-incubation/llm-d-planner, pull request 205): vLLM
+# 0.19.0 start-up logs on an H100 80GB, `vllm serve MODEL --max-model-len 8192 --gpu-memory-utilization 0.95`
+# (--enable-prefix-caching off, which sizes nothing), defaults otherwise: 8,192 batched tokens, 1,024 sequences
+PLANNER_LOGS = ("https://github.com/llm-d-incubation/llm-d-planner/blob/d3121e059da88662db39a926a3ead964be97359b/"
+                "accuracy/results/v0.19.0/logs")
+V019_H100 = dict(device="h100", max_model_len=8192, gpu_memory_utilization=0.95, max_num_batched_tokens=8192,
+                 max_num_seqs=1024)
+
 # (source, model config, infer settings, published figures). GiB figures as the logs print them ("GB" in vLLM's
 # older logs is GiB: 14.9888 = 8,030,261,248 bf16 parameters plus the 32 MiB rotary table, / 2**30).
 ROWS = [
@@ -67,6 +76,20 @@ ROWS = [
     ("https://github.com/vllm-project/vllm/pull/10511 (V0, H100, Meta-Llama-3-8B -tp 2)", "llama-3-8b",
      dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256, tp=2),
      dict(weights=7.48)),
+    *[(f"{PLANNER_LOGS}/{log}.log (vLLM 0.19.0, H100 80GB, {what})", name, V019_H100, published)
+      for log, name, what, published in [
+          ("google-gemma-2-2b-it--h100-80gb--tp1pp1dp1--8192", "gemma-2-2b", "gemma-2-2b-it, sliding window",
+           dict(weights=4.9, kv=66.47, tokens=670160, concurrency=81.73, profile=3.62)),
+          ("google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192", "gemma-2-9b", "gemma-2-9b-it, sliding window",
+           dict(weights=17.22, kv=54.12, tokens=168880, concurrency=20.60, profile=3.65)),
+          ("google-gemma-2-27b-it--h100-80gb--tp1pp1dp1--8192", "gemma-2-27b", "gemma-2-27b-it, sliding window",
+           dict(weights=50.72, kv=20.59, tokens=58672, concurrency=7.16, profile=3.66)),
+          ("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192", "gemma-3-27b",
+           "gemma-3-27b-it with its vision tower; memfit reads the text model's config",
+           dict(weights=51.45, kv=19.53, tokens=36560, concurrency=4.46, profile=3.99)),
+          ("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192", "deepseek-v2-lite", "DeepSeek-V2-Lite-Chat, MLA",
+           dict(weights=29.43, kv=43.61, tokens=1505552, concurrency=183.78, profile=1.93)),
+      ]],
 ]
 
 
@@ -125,7 +148,7 @@ def published_rows() -> list[dict]:
     for source, name, settings, published in ROWS:
         r = infer(f"hf:{CONFIGS / name}.json", **settings)
         mine = dict(weights=r.weights_bytes / GiB, kv=r.kv_cache_bytes / GiB, blocks=r.num_blocks,
-                    concurrency=r.max_concurrency)
+                    tokens=r.kv_cache_tokens, concurrency=r.max_concurrency, profile=r.activation_bytes / GiB)
         row = dict(source=source, model=name, settings=settings, published=published,
                    memfit={k: mine[k] for k in published},
                    error={k: (mine[k] - v) / v for k, v in published.items()},

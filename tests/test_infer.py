@@ -123,6 +123,26 @@ def test_published_70b_w8a8_row():
     assert r.max_concurrency == pytest.approx(10.79, rel=0.10)
 
 
+@pytest.mark.parametrize("name, published", [
+    ("gemma-2-9b", dict(weights=17.22, kv=54.12, tokens=168_880, concurrency=20.60)),
+    ("deepseek-v2-lite", dict(weights=29.43, kv=43.61, tokens=1_505_552, concurrency=183.78)),
+])
+def test_published_sliding_window_and_mla_rows(name, published):
+    """llm-d-planner's vLLM 0.19.0 start-ups on an H100 (`--max-model-len 8192 --gpu-memory-utilization 0.95`):
+    Gemma 2 9B (sliding-window layers beside full ones) and DeepSeek-V2-Lite (MLA). Weights within 2%, the KV cache
+    within 10%; the tokens each GiB of cache holds equal the log's within its rounding of the GiB figure (0.01 GiB),
+    so the pages per layer kind are vLLM's."""
+    r = infer(model(name), "h100", max_model_len=8192, gpu_memory_utilization=0.95, max_num_batched_tokens=8192,
+              max_num_seqs=1024)
+    assert r.weights_bytes / GiB == pytest.approx(published["weights"], rel=0.02)
+    assert r.kv_cache_bytes / GiB == pytest.approx(published["kv"], rel=0.10)
+    assert r.kv_cache_tokens == pytest.approx(published["tokens"], rel=0.10)
+    assert r.max_concurrency == pytest.approx(published["concurrency"], rel=0.10)
+    rounding = 0.005 / published["kv"]
+    assert r.kv_cache_tokens / (r.kv_cache_bytes / GiB) == pytest.approx(published["tokens"] / published["kv"],
+                                                                           rel=rounding + 1e-4)
+
+
 # ------------------------------------------------------------------------------------- what fits
 
 def test_inverse_finds_the_smallest_utilization():
