@@ -78,6 +78,8 @@ ROWS = [
      dict(weights=7.48)),
     *[(f"{PLANNER_LOGS}/{log}.log (vLLM 0.19.0, H100 80GB, {what})", name, V019_H100, published)
       for log, name, what, published in [
+          ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--8192", "llama-3.1-8b", "Llama-3.1-8B-Instruct",
+           dict(weights=14.99, kv=58.11, tokens=476016, concurrency=58.11, profile=1.89)),
           ("google-gemma-2-2b-it--h100-80gb--tp1pp1dp1--8192", "gemma-2-2b", "gemma-2-2b-it, sliding window",
            dict(weights=4.9, kv=66.47, tokens=670160, concurrency=81.73, profile=3.62)),
           ("google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192", "gemma-2-9b", "gemma-2-9b-it, sliding window",
