@@ -389,10 +389,10 @@ def allocator_lines(r: ServeReport) -> list[str]:
         return out
     rss = [n for n in r.process_after if n]
     if not rss:
-        return ["CPU: PyTorch's CPU allocator caches nothing (every freed tensor goes back to malloc); the process's "
-                "resident memory could not be read here"]
+        return ["CPU: PyTorch's CPU allocator caches nothing but pinned memory (every other freed tensor goes back to "
+                "malloc); the process's resident memory could not be read here"]
     out = [f"process resident memory: {fmt_bytes(rss[0])} after request 1 -> {fmt_bytes(rss[-1])} after request "
-           f"{len(rss)} (PyTorch's CPU allocator caches nothing: a freed tensor goes back to malloc)"]
+           f"{len(rss)} (PyTorch's CPU allocator caches nothing but pinned memory: a freed tensor goes back to malloc)"]
     if r.trimmed is not None:
         out.append(f"  malloc_trim(0) after the last request gave back {fmt_bytes(r.trimmed)}: memory freed in this "
                    "process (freed tensors among it) that glibc's malloc had kept for reuse, not a leak; "
