@@ -1,11 +1,12 @@
-"""Every pipeline stage's estimate against its own real rank: `Config.pp` stages under GPipe and 1F1B, with and
-without activation checkpointing, on forked CPU processes joined by gloo (torch.distributed.pipelining's
-schedules, as `memfit train --pp` runs them).
+"""Every pipeline rank's estimate against its own real rank: `Config.pp` ranks under GPipe, 1F1B, interleaved
+1F1B and zero bubble (the last two with 2 stages a rank), with and without activation checkpointing, on forked
+CPU processes joined by gloo (torch.distributed.pipelining's schedules, as `memfit train --pp` runs them).
 
-    python benchmarks/pipeline_parallel.py [--stages 2,4] [--only gpt-tiny,hf-llama]
+    python benchmarks/pipeline_parallel.py [--stages 2,4] [--only gpt-tiny,hf-llama] [--schedules ...]
 
-Each stage is estimated as its own rank of a fake world (memfit.estimate traces them all); each real rank
-measures its own peak with the CPU allocator's running total (truth.rank_step_peaks). Results:
+Each rank is estimated as its own rank of a fake world, all its stages together (memfit.estimate traces them
+all); each real rank measures its own peak with the CPU allocator's running total (truth.rank_step_peaks). The
+interleaved schedules need pp x 2 blocks: rows whose model has fewer are left out. Results:
 results/pipeline_parallel.json, rendered into BENCHMARKS.md by render.py.
 """
 from __future__ import annotations
@@ -27,28 +28,33 @@ from truth import rank_step_peaks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = {"gpt-tiny": lambda: builtin("gpt-tiny", layers=4), "hf-llama": hf_llama}
+BLOCKS = 4  # both models' repeated blocks
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--only", default="gpt-tiny,hf-llama")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble")
     args = ap.parse_args()
     rows = []
     for name, pp, schedule, ck in itertools.product(args.only.split(","), [int(s) for s in args.stages.split(",")],
-                                                    ["gpipe", "1f1b"], ["none", "all"]):
+                                                    args.schedules.split(","), ["none", "all"]):
         wl = WORKLOADS[name]()
         cfg = Config(micro_batch=2, grad_accum=2 * pp, pp=pp, pp_schedule=schedule, activation_checkpoint=ck)
+        if cfg.stages > BLOCKS:
+            continue
         start = time.perf_counter()
         est = memfit.estimate(wl, cfg)
         seconds = time.perf_counter() - start
         real = rank_step_peaks(wl, cfg)
         stages = [s["peak_bytes"] for s in est.stages]
-        row = dict(workload=name, stages=pp, schedule=schedule, checkpoint=ck, micro_batch=2, micro_batches=2 * pp,
+        row = dict(workload=name, stages=pp, stages_per_rank=cfg.pp_virtual, schedule=schedule, checkpoint=ck,
+                   micro_batch=2, micro_batches=2 * pp,
                    estimates=stages, rank_peaks=real, diff_bytes=[e - r for e, r in zip(stages, real)],
                    worst_error=max(abs(e / r - 1) for e, r in zip(stages, real)), estimate_seconds=seconds)
         rows.append(row)
-        print(f"{name:8} pp={pp} {schedule:5} ck={ck:4} est {stages} real {real} diff {row['diff_bytes']} "
+        print(f"{name:8} pp={pp}x{cfg.pp_virtual} {schedule:16} ck={ck:4} est {stages} real {real} diff {row['diff_bytes']} "
               f"({seconds:.1f} s)", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], rows=rows)

@@ -1,5 +1,7 @@
 """Pipeline parallelism: each stage estimated on fake tensors as its own rank, against real gloo ranks running
 torch.distributed.pipelining's schedules, and the schedules' closed forms."""
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -28,20 +30,30 @@ def _llama():
     return hf.from_config(config, name="hf:llama", seq=32)
 
 
+_WORKLOADS = {"gpt-tiny": lambda: builtin("gpt-tiny"), "gpt-tiny-4": lambda: builtin("gpt-tiny", layers=4),
+              "llama": lambda: _llama()}
+
+
+@functools.cache
+def _stages_estimate(name: str, schedule: str, checkpoint: str = "none") -> memfit.Estimate:
+    """Two pipeline ranks, 4 micro-batches of 2: traced once for the tests that read it."""
+    cfg = Config(micro_batch=2, grad_accum=4, pp=2, pp_schedule=schedule, activation_checkpoint=checkpoint)
+    return memfit.estimate(_WORKLOADS[name](), cfg)
+
+
 @pytest.mark.parametrize("name,schedule,checkpoint", [("gpt-tiny", "1f1b", "none"), ("gpt-tiny", "gpipe", "all"),
-                                                      ("llama", "1f1b", "all")])
+                                                      ("llama", "1f1b", "all"), ("gpt-tiny-4", "zero-bubble", "none")])
 def test_every_stage_estimate_matches_its_real_gloo_rank(name, schedule, checkpoint):
     """Two ranks (forked, gloo) run the schedule on the stages memfit cuts; each measures its own peak with
     the CPU allocator's running total (benchmarks/truth.py). The stages differ (embedding, head and loss,
     micro-batches in flight), so each is compared with its own rank. Measured exact to tens of bytes
     (the scalars a step keeps); 0.2% leaves room for kernel workspaces on another processor, and is a fifth
-    of the one activation a gloo send holds past its micro-batch's backward under 1F1B."""
+    of the one activation a gloo send holds past its micro-batch's backward under 1F1B. Zero bubble: two
+    stages a rank (4 blocks), traced together as the rank; the interleaved rows are in the benchmark."""
     from truth import rank_step_peaks
 
-    wl = builtin("gpt-tiny") if name == "gpt-tiny" else _llama()
-    cfg = Config(micro_batch=2, grad_accum=4, pp=2, pp_schedule=schedule, activation_checkpoint=checkpoint)
-    est = memfit.estimate(wl, cfg)
-    real = rank_step_peaks(wl, cfg)
+    est = _stages_estimate(name, schedule, checkpoint)
+    real = rank_step_peaks(_WORKLOADS[name](), Config.from_dict(est.config))
     assert [s["peak_bytes"] for s in est.stages] == pytest.approx(real, rel=0.002)
     assert est.peak_bytes == max(s["peak_bytes"] for s in est.stages)
 
@@ -129,6 +141,26 @@ def test_one_f_one_b_holds_the_micro_batches_the_closed_form_says():
         assert one_f[s] == gpipe[s] - (n - k) * per_micro_batch + idle_buffers, s
 
 
+def test_interleaving_holds_more_on_the_first_rank_and_zero_bubble_holds_weight_inputs_longer():
+    """The orderings the literature states, on the traces (gpt-tiny with 4 blocks, pp 2, 4 micro-batches).
+    Interleaved 1F1B (Narayanan et al. 2021): torch's schedule runs 2 + 2 (pp - 1 - rank) warm-up forwards of
+    one-block stages, so rank 0 holds 5 block-micro-batches at its first backward where 1F1B's stage 0 holds 2
+    micro-batches of 2 blocks, 4 (Korthikanti et al. 2022: p (1 + (p - 1) / (p v)) micro-batches' worth against
+    p). Zero bubble (Qi et al. 2024) defers each weight-gradient half, whose inputs stay held meanwhile: the
+    last rank, which starts its backwards first, holds more than under interleaved 1F1B on the same stages.
+    Activations only: parameters, gradients and optimizer state are the same bytes under all three."""
+    def activations(schedule):
+        return [s["breakdown"]["activations"] for s in _stages_estimate("gpt-tiny-4", schedule).stages]
+
+    one_f, interleaved, zero_bubble = activations("1f1b"), activations("interleaved-1f1b"), activations("zero-bubble")
+    assert interleaved[0] > one_f[0]
+    assert zero_bubble[1] > interleaved[1]
+    held = ("parameters", "gradients", "optimizer_state")
+    states = [[{k: s["breakdown"][k] for k in held} for s in _stages_estimate("gpt-tiny-4", schedule).stages]
+              for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble")]
+    assert states[1] == states[0] and states[2] == states[0]
+
+
 class Tied(nn.Module):
     def __init__(self):
         super().__init__()
@@ -153,6 +185,14 @@ def test_what_a_pipeline_cannot_split_is_refused_in_one_line():
         memfit.estimate(builtin("gpt-tiny"), Config(grad_accum=4, pp=4))
     with pytest.raises(ConfigError, match="at least 2 micro-batches"):
         Config(pp=2)
+    with pytest.raises(ConfigError, match=r"8 pipeline stages \(4 ranks x 2 stages a rank\) need at least 8"):
+        stage_blocks(4, Config(grad_accum=4, pp=4, pp_schedule="interleaved-1f1b").stages, 4)
+    with pytest.raises(ConfigError, match=r"max\(1, n // pp\) = 2 rounds, n a multiple of them\): grad_accum 5"):
+        Config(pp=2, grad_accum=5, pp_schedule="zero-bubble")
+    with pytest.raises(ConfigError, match="zero-bubble interleaves 2 or more stages a rank"):
+        Config(pp=2, grad_accum=2, pp_schedule="zero-bubble", pp_virtual=1)
+    with pytest.raises(ConfigError, match="fsdp data parallel beside zero-bubble"):
+        Config(pp=2, grad_accum=2, pp_schedule="zero-bubble", gpus=2, data_parallel="fsdp")
     with pytest.raises(ConfigError, match="not supported yet"):
         Config(pp=2, grad_accum=2, offload_optimizer=True)
 
@@ -283,6 +323,9 @@ def test_a_pipelines_oom_recovery_keeps_micro_batches_of_one_shape():
     stages = recovery_ladder(Config(micro_batch=9, grad_accum=2, pp=2), 18)
     assert [c.micro_batch for c in one if c.activation_checkpoint == "none"] == [4, 2, 1]
     assert [(c.micro_batch, c.grad_accum) for c in stages if c.activation_checkpoint == "none"] == [(2, 9), (1, 18)]
+    # torch's interleaved schedules run max(1, n // pp) rounds that must divide n: 9 micro-batches in 4 do not
+    looped = recovery_ladder(Config(micro_batch=9, grad_accum=2, pp=2, pp_schedule="interleaved-1f1b"), 18)
+    assert [(c.micro_batch, c.grad_accum) for c in looped if c.activation_checkpoint == "none"] == [(1, 18)]
     oom = torch.OutOfMemoryError("out of memory")
     try:
         try:

@@ -450,6 +450,12 @@ def _step_notes(workload: Workload, step: TrainStep, config: Config, cuda_target
                      "sequence-parallel; whole logits on every rank), traced with a fake process group")
         if not cuda_target:
             notes.append("not counted: what gloo allocates on its own threads while a collective runs")
+    if config.pp > 1 and config.pp_schedule == "zero-bubble" and config.activation_checkpoint != "none":
+        # counted on real gloo ranks: gpt-tiny's checkpointed blocks ran 44 forwards a step for 4 micro-batches
+        notes.append("zero bubble with activation checkpointing: torch's weight-gradient pass runs one autograd "
+                     "pass per parameter group, and each recomputes the checkpointed block and keeps what it "
+                     "recomputed until the block's weight pass ends (traced as it runs: often more than without "
+                     "checkpointing)")
     if cuda_target:
         notes.append("attention traced with the CPU flash kernel; it saves what CUDA flash / memory-efficient "
                      "attention save (output + fp32 logsumexp), with dropout too, which they apply inside "

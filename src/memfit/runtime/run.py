@@ -145,7 +145,10 @@ def recovery_ladder(config: Config, global_batch: int) -> list[Config]:
         m = max(1, m // 2)
         if config.pp > 1 and global_batch % m:  # a pipeline's micro-batches are of one shape (its buffers')
             continue
-        out.append(config.replace(micro_batch=m, grad_accum=math.ceil(global_batch / m)))
+        try:
+            out.append(config.replace(micro_batch=m, grad_accum=math.ceil(global_batch / m)))
+        except ConfigError:  # an interleaved schedule's rounds of micro-batches do not divide this many
+            continue
     last = out[-1] if out else config
     for ck in ("selective", "all"):
         if last.activation_checkpoint in ("none", "selective") and ck != last.activation_checkpoint:
