@@ -74,10 +74,10 @@ def one(model_type: str) -> dict:
         return row
     try:
         try:
-            est = memfit.estimate(wl, memfit.Config(micro_batch=1, precision="bf16"), device="h100")
+            est = _estimate(wl, memfit.Config(micro_batch=1, precision="bf16"))
         except MicroBatchError as e:  # BatchNorm1d (LeViT) needs two samples: estimate the smallest that trains
             row["micro_batch"] = e.smallest
-            est = memfit.estimate(wl, memfit.Config(micro_batch=e.smallest, precision="bf16"), device="h100")
+            est = _estimate(wl, memfit.Config(micro_batch=e.smallest, precision="bf16"))
     except Exception as e:  # noqa: BLE001
         # HostMemoryError: fake tensors could not follow it and a real step would not fit this host; the hf
         # adapter's own WorkloadErrors ("hf: ...") refuse a model it cannot make batches or a loss for
@@ -86,8 +86,18 @@ def one(model_type: str) -> dict:
         row.update(method=method, reason=_why(e))
         return row
     row.update(method=est.method, peak_bytes=est.peak_bytes, device_peak_bytes=est.device_peak_bytes,
-               parameters=est.parameters, notes=est.notes)
+               peak_allocated_bytes=est.peak_allocated_bytes, peak_reserved_bytes=est.peak_reserved_bytes,
+               parameters=est.parameters, notes=est.notes, blocks=BLOCKS, extrapolated_from=est.extrapolated_from)
     return row
+
+
+BLOCKS = os.environ.get("MEMFIT_HF_BLOCKS", "all")  # --blocks, passed to the children
+
+
+def _estimate(wl, config):
+    from memfit.memory.extrapolate import estimate_blocks
+
+    return estimate_blocks(wl, config, "h100", BLOCKS)
 
 
 def _why(e: BaseException) -> str:
@@ -204,6 +214,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--out", default=str(RESULTS / "hf_coverage.json"))
     ap.add_argument("--resume", action="store_true", help="keep the fake rows already in --out, run the others")
+    ap.add_argument("--blocks", choices=("all", "auto"), default="all",
+                    help="auto: deep models counted from copies of a few blocks (memfit estimate --blocks auto); "
+                         "--resume then keeps only rows estimated the same way")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -212,7 +225,9 @@ def main() -> None:
         return
     archs = args.only.split(",") if args.only else architectures()
     before = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
-    done = {r["arch"]: r for r in before if r["method"] == "fake"} if args.resume else {}
+    os.environ["MEMFIT_HF_BLOCKS"] = args.blocks
+    done = {r["arch"]: r for r in before if r["method"] == "fake" and r.get("blocks", "all") == args.blocks} \
+        if args.resume else {}
     rows, table = [], before
     for i, arch in enumerate(archs):
         row = done.get(arch) or run_child(arch, args.timeout)

@@ -20,6 +20,7 @@ import os
 import torch
 
 from memfit.config import Config
+from memfit.errors import MemfitError, first_line
 from memfit.memory import allocator, estimate as traced, streams
 from memfit.memory.copies import shallow
 from memfit.memory.devices import Device, defaults_for, get_device
@@ -31,7 +32,6 @@ from memfit.workload import Workload
 __all__ = ["BLOCKS", "Plan", "estimate_blocks", "layer_plan"]
 
 BLOCKS = ("auto", "all")  # --blocks: extrapolate where it applies (below), or trace every block
-FIRST = 1        # the shallowest copy: 1 block; the others 1 + period and 1 + 2 periods
 MAX_SHARE = 0.5  # extrapolate only where the three copies hold at most half of the model's blocks
 
 
@@ -59,11 +59,11 @@ def _kinds(model: torch.nn.Module, layers: str) -> list[tuple]:
             for b in model.get_submodule(layers)]
 
 
-def layer_plan(workload: Workload) -> Plan | None:
+def layer_plan(workload: Workload, least: int = 1) -> Plan | None:
     """The copies to trace for `workload`, or None where extrapolating does not apply: no one list of
     layers, a layer pattern with no period, or copies that would hold more than MAX_SHARE of the layers.
     The whole model is built on the meta device (no memory) to read its layers; a factory that builds fewer
-    (`with_blocks`) must build the same first layers."""
+    (`with_blocks`) must build the same first layers. `least`: the fewest blocks the first copy may have."""
     with torch.device("meta"):
         model = workload.model()
     layers = _layers(model)
@@ -71,20 +71,42 @@ def layer_plan(workload: Workload) -> Plan | None:
         return None
     kinds = _kinds(model, layers)
     n = len(kinds)
-    period = next((p for p in range(1, n) if all(kinds[i] == kinds[i + p] for i in range(n - p))), None)
-    if period is None:
-        return None
-    depths = (FIRST, FIRST + period, FIRST + 2 * period)
-    if sum(depths) > MAX_SHARE * n:
-        return None
+    for period, first in sorted(_starts(kinds, least), key=lambda pf: 3 * pf[1] + 3 * pf[0]):
+        while 3 * first + 3 * period <= MAX_SHARE * n:  # a copy that does not build: the next one deeper
+            depths = (first, first + period, first + 2 * period)
+            if _builds(workload, layers, kinds, depths):
+                return Plan(n, period, depths)
+            first += period
+    return None
+
+
+def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int]]:
+    """[(period, the least depth of a first copy)]: the layers repeat every `period` from some layer on, and
+    the rest of the model past the first copy is whole periods (rwkv's first block has one norm more;
+    Zamba's first shared-attention layer comes after two Mamba layers, then one in six)."""
+    n, out = len(kinds), []
+    for period in range(1, n // 3):
+        start = next((s for s in range(n - period) if all(kinds[i] == kinds[i + period]
+                                                             for i in range(s, n - period))), None)
+        if start is not None:
+            first = max(start, least)
+            out.append((period, first + (n - first) % period))
+    return out
+
+
+def _builds(workload: Workload, layers: str, kinds: list[tuple], depths: tuple[int, ...]) -> bool:
+    """Whether the factory's copies (`with_blocks`) build with the whole model's first layers (Zamba's
+    does not with one shared-attention layer: transformers ties it to the others)."""
     fewer = getattr(workload.model, "with_blocks", None)
-    if fewer is not None:
-        for d in depths:
+    for d in depths if fewer is not None else ():
+        try:
             with torch.device("meta"):
                 m = fewer(d)
-            if m is not None and _kinds(m, layers) != kinds[:d]:
-                return None
-    return Plan(n, period, depths)
+        except Exception:  # noqa: BLE001 - a copy that does not build is no copy
+            return False
+        if m is not None and _kinds(m, layers) != kinds[:d]:
+            return False
+    return True
 
 
 def estimate_blocks(workload: Workload, config: Config | None = None, device: str | Device = "cpu",
@@ -94,16 +116,22 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
     dev = device if isinstance(device, Device) else get_device(device)
     config = config or Config(precision=defaults_for(dev).precision)
     plan = layer_plan(workload) if blocks == "auto" and config.world == 1 else None
-    if plan is not None:
-        run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
-        est, why = run(lambda: _from_copies(workload, config, dev, plan))
+    if plan is None:
+        return traced.estimate(workload, config, dev, isolate=isolate)
+    run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
+    est, why, raised = run(lambda: _from_copies(workload, config, dev, plan))
+    deeper = layer_plan(workload, plan.depths[0] + 1) if raised else None
+    if deeper is not None:  # rwkv's 1-block copy divides by its depth less 1: one try a block deeper
+        plan, tried = deeper, why
+        est, why, _ = run(lambda: _from_copies(workload, config, dev, plan))
         if est is not None:
-            return est
-        full = traced.estimate(workload, config, dev, isolate=isolate)
-        full.notes.append(f"traced whole: its copies of {', '.join(map(str, plan.depths))} blocks did not extend "
-                          f"exactly ({why})")
-        return full
-    return traced.estimate(workload, config, dev, isolate=isolate)
+            est.notes.append(f"copies one block shallower were tried first: {tried}")
+    if est is not None:
+        return est
+    full = traced.estimate(workload, config, dev, isolate=isolate)
+    full.notes.append(f"traced whole: its copies of {', '.join(map(str, plan.depths))} blocks did not extend "
+                      f"exactly ({why})")
+    return full
 
 
 def _copy(workload: Workload, keep: int) -> Workload:
@@ -112,7 +140,8 @@ def _copy(workload: Workload, keep: int) -> Workload:
     fewer = getattr(workload.model, "with_blocks", None)
     if fewer is None:
         return shallow(workload, keep)
-    return dataclasses.replace(workload, model=lambda: fewer(keep))
+    cut = shallow(workload, keep).model
+    return dataclasses.replace(workload, model=lambda: fewer(keep) or cut())
 
 
 @contextlib.contextmanager
@@ -127,10 +156,19 @@ def _keeping_streams():
 _LINEAR = ("peak_bytes", "flops", "recompute_flops", "parameters", "moved_bytes", "host_peak_bytes")
 
 
-def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) -> tuple[Estimate | None, str]:
-    """(the whole depth's estimate, "") from the three copies, or (None, why not)."""
-    with _keeping_streams():
-        probes = [traced.probe(_copy(workload, d), config, dev, isolate=False) for d in plan.depths]
+def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) -> tuple[Estimate | None, str, bool]:
+    """(the whole depth's estimate, "", False) from the three copies, or (None, why not, whether a copy's step
+    raised)."""
+    try:
+        with _keeping_streams():
+            probes = [traced.probe(_copy(workload, d), config, dev, isolate=False) for d in plan.depths]
+    except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
+        return None, f"a copy's step raised: {first_line(e)}", True
+    est, why = _extended(plan, probes, config, dev)
+    return est, why, False
+
+
+def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Estimate | None, str]:
     ests = [p.estimate for p in probes]
     if any(e.method != "fake" for e in ests):
         return None, "fake tensors could not follow a copy"

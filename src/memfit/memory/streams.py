@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from bisect import bisect_left
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
@@ -33,7 +34,9 @@ def tokens(events: list[tuple[int, int]], classes: dict) -> list[tuple]:
             out.append(c)
             continue
         keys = live[c]
-        i = keys.index(key)
+        i = bisect_left(keys, key)  # ids grow with each allocation; one made again (a resize) may be out of order
+        if i == len(keys) or keys[i] != key:
+            i = keys.index(key)
         del keys[i]
         out.append((delta, c[1], len(keys) - i, i))
     return out
