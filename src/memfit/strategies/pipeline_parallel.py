@@ -109,7 +109,9 @@ class _Stage(torch.nn.Module):
         self.model = model
         self.loss, self.weight = loss, weight
         self.away = away or []
-        self.lead = lead or self  # whose on_forward / on_backward the step set (the rank's first stage)
+        # whose on_forward / on_backward the step set (the rank's first stage); not registered as a submodule,
+        # which would make a first stage its own child
+        object.__setattr__(self, "lead", lead or self)
         self.received: torch.Tensor | None = None
         self.on_forward = self.on_backward = lambda: None
 
