@@ -2,11 +2,12 @@
 1F1B and zero bubble (the last two with 2 stages a rank), with and without activation checkpointing, on forked
 CPU processes joined by gloo (torch.distributed.pipelining's schedules, as `memfit train --pp` runs them).
 
-    python benchmarks/pipeline_parallel.py [--stages 2,4] [--only gpt-tiny,hf-llama] [--schedules ...]
+    python benchmarks/pipeline_parallel.py [--stages 2,4] [--only gpt-tiny,hf-llama] [--schedules ...] [--no-deeper]
 
 Each rank is estimated as its own rank of a fake world, all its stages together (memfit.estimate traces them
 all); each real rank measures its own peak with the CPU allocator's running total (truth.rank_step_peaks). The
-interleaved schedules need pp x 2 blocks: rows whose model has fewer are left out. Results:
+interleaved schedules need pp x 2 blocks: grid rows whose model has fewer are left out, and a few rows on deeper
+gpt-tinys (6 blocks, 3 stages a rank; 8 blocks, 4 ranks of 2) follow the grid. Results:
 results/pipeline_parallel.json, rendered into BENCHMARKS.md by render.py.
 """
 from __future__ import annotations
@@ -27,8 +28,12 @@ from memfit.workloads import builtin
 from truth import rank_step_peaks
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORKLOADS = {"gpt-tiny": lambda: builtin("gpt-tiny", layers=4), "hf-llama": hf_llama}
-BLOCKS = 4  # both models' repeated blocks
+WORKLOADS = {"gpt-tiny": lambda: builtin("gpt-tiny", layers=4), "hf-llama": hf_llama,
+             "gpt-tiny-6": lambda: builtin("gpt-tiny", layers=6), "gpt-tiny-8": lambda: builtin("gpt-tiny", layers=8)}
+BLOCKS = 4  # the grid's models' repeated blocks
+# the interleaved schedules beyond the grid: 3 stages a rank, and 4 ranks of 2 (deeper gpt-tinys)
+DEEPER = [(name, pp, v, schedule, "none") for name, pp, v in (("gpt-tiny-6", 2, 3), ("gpt-tiny-8", 4, 2))
+          for schedule in ("interleaved-1f1b", "zero-bubble")]
 
 
 def main() -> None:
@@ -36,26 +41,30 @@ def main() -> None:
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--only", default="gpt-tiny,hf-llama")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble")
+    ap.add_argument("--no-deeper", dest="deeper", action="store_false",
+                    help="leave out the rows of 3 stages a rank and of 4 ranks of 2 stages")
     args = ap.parse_args()
     rows = []
-    for name, pp, schedule, ck in itertools.product(args.only.split(","), [int(s) for s in args.stages.split(",")],
-                                                    args.schedules.split(","), ["none", "all"]):
+    grid = [(name, pp, 1 if schedule in ("gpipe", "1f1b") else 2, schedule, ck) for name, pp, schedule, ck in
+            itertools.product(args.only.split(","), [int(s) for s in args.stages.split(",")],
+                              args.schedules.split(","), ["none", "all"])]
+    grid = [row for row in grid if row[1] * row[2] <= BLOCKS] + (DEEPER if args.deeper else [])
+    for name, pp, virtual, schedule, ck in grid:
         wl = WORKLOADS[name]()
-        cfg = Config(micro_batch=2, grad_accum=2 * pp, pp=pp, pp_schedule=schedule, activation_checkpoint=ck)
-        if cfg.stages > BLOCKS:
-            continue
+        cfg = Config(micro_batch=2, grad_accum=2 * pp, pp=pp, pp_schedule=schedule, pp_virtual=virtual,
+                     activation_checkpoint=ck)
         start = time.perf_counter()
         est = memfit.estimate(wl, cfg)
         seconds = time.perf_counter() - start
         real = rank_step_peaks(wl, cfg)
         stages = [s["peak_bytes"] for s in est.stages]
-        row = dict(workload=name, stages=pp, stages_per_rank=cfg.pp_virtual, schedule=schedule, checkpoint=ck,
+        row = dict(workload=name, stages=pp, stages_per_rank=virtual, schedule=schedule, checkpoint=ck,
                    micro_batch=2, micro_batches=2 * pp,
                    estimates=stages, rank_peaks=real, diff_bytes=[e - r for e, r in zip(stages, real)],
                    worst_error=max(abs(e / r - 1) for e, r in zip(stages, real)), estimate_seconds=seconds)
         rows.append(row)
-        print(f"{name:8} pp={pp}x{cfg.pp_virtual} {schedule:16} ck={ck:4} est {stages} real {real} diff {row['diff_bytes']} "
-              f"({seconds:.1f} s)", flush=True)
+        print(f"{name:8} pp={pp}x{virtual} {schedule:16} ck={ck:4} est {stages} real {real} "
+              f"diff {row['diff_bytes']} ({seconds:.1f} s)", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], rows=rows)
     (RESULTS / "pipeline_parallel.json").write_text(json.dumps(out, indent=1))

@@ -234,10 +234,11 @@ def t_integrations_lightning() -> str:
 
 
 def t_pipeline_parallel() -> str:
-    rows = [[r["workload"], r["stages"], r["schedule"], r["checkpoint"], " / ".join(_b(e) for e in r["estimates"]),
+    rows = [[r["workload"], f"{r['stages']} × {r['stages_per_rank']}" if r.get("stages_per_rank", 1) > 1 else r["stages"],
+             r["schedule"], r["checkpoint"], " / ".join(_b(e) for e in r["estimates"]),
              " / ".join(_b(m) for m in r["rank_peaks"]), " / ".join(f"{d:+,}" for d in r["diff_bytes"]),
              f"{r['estimate_seconds']:.1f} s"] for r in results("pipeline_parallel")["rows"]]
-    return table(["model", "stages", "schedule", "checkpointing", "estimate per stage", "rank peaks",
+    return table(["model", "stages (ranks × stages a rank)", "schedule", "checkpointing", "estimate per rank", "rank peaks",
                   "estimate − peak (bytes)", "estimated in"], rows)
 
 
