@@ -596,7 +596,7 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     probe = Probe(est, recorder.trace)
     if KEEP_STREAMS:
         probe.stream = streams.tokens(tracker.events, {k: streams.storage_class(labels[k], info)
-                                                       for k, info in tracker.infos.items()})
+                                                       for k, info in tracker.infos.items()}, tracker.marks)
     return probe
 
 
