@@ -235,6 +235,27 @@ def test_cli_estimate_shows_every_stage_and_the_one_that_bounds_the_budget(capsy
     assert f"stage {bound} bounds the budget: {fmt_bytes(data['peak_bytes'])}" in " ".join(text.split())
 
 
+def test_the_estimate_table_has_a_row_per_rank_naming_the_stages_it_holds():
+    """Under interleaved 1F1B a rank holds stages r and r + pp: a row per rank, its stages named, the figures
+    the rank's (the estimate traced for the ordering test above, so no trace of its own)."""
+    from rich.console import Console
+
+    from memfit.report.tables import estimate_view
+    from memfit.units import fmt_bytes
+
+    est = _stages_estimate("gpt-tiny-4", "interleaved-1f1b")
+    console = Console(width=200, record=True)
+    console.print(estimate_view(est))
+    text = console.export_text()
+    words = " ".join(text.split())  # the title wraps at the table's width
+    assert "pipeline ranks (2, interleaved-1f1b): each its own rank, holding 2 stages" in words
+    for s, holds in zip(est.stages, ("0, 2", "1, 3")):
+        row = next(line for line in text.splitlines() if line.split("│")[0].strip() == str(s["stage"]))
+        assert [c.strip() for c in row.split("│")] == [str(s["stage"]), holds, f"{s['parameters']:,}",
+                                                       fmt_bytes(s["peak_bytes"]), s["peak_phase"]]
+    assert f"rank 0 bounds the budget: {fmt_bytes(est.peak_bytes)}" in words
+
+
 def test_cli_trains_two_stages_and_the_run_resumes_on_one_process_and_on_stages(tmp_path, capfd):
     """`memfit train --gpus 2 --pp 2`: each stage's rank writes only its stage's parameters and optimizer state
     with DCP, under the model's own names. From its step-2 checkpoint (the later one removed, as if the run had

@@ -188,7 +188,7 @@ class Config:
         if self.pp > 1 and self.pp_schedule in LOOPED_SCHEDULES and self.grad_accum % rounds:
             raise ConfigError(f"{self.pp_schedule} runs micro-batches in rounds of about {self.pp} (torch's "
                               f"max(1, n // pp) = {rounds} rounds, n a multiple of them): grad_accum {self.grad_accum} "
-                              f"is not; use a multiple of {self.pp}")
+                              f"is not; a multiple of {self.pp} is")
         for on, words in ((self.offload_optimizer or self.offload_activations, "offload"),
                           (self.optimizer_in_backward, "optimizer_in_backward"),
                           (self.optimizer_8bit or self.base_4bit, "8-bit optimizer states and 4-bit bases"),
