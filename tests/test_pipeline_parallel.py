@@ -148,13 +148,21 @@ def test_interleaving_holds_more_on_the_first_rank_and_zero_bubble_holds_weight_
     micro-batches of 2 blocks, 4 (Korthikanti et al. 2022: p (1 + (p - 1) / (p v)) micro-batches' worth against
     p). Zero bubble (Qi et al. 2024) defers each weight-gradient half, whose inputs stay held meanwhile: the
     last rank, which starts its backwards first, holds more than under interleaved 1F1B on the same stages.
-    Activations only: parameters, gradients and optimizer state are the same bytes under all three."""
+    The in-flight counts are checked exactly where one module's bytes show them. Activations only: parameters, gradients and optimizer state are the same bytes under all three."""
     def activations(schedule):
         return [s["breakdown"]["activations"] for s in _stages_estimate("gpt-tiny-4", schedule).stages]
 
     one_f, interleaved, zero_bubble = activations("1f1b"), activations("interleaved-1f1b"), activations("zero-bubble")
     assert interleaved[0] > one_f[0]
     assert zero_bubble[1] > interleaved[1]
+    # the embedding's outputs at rank 0's peak (the figures are rank 0's under both) count stage 0's micro-batches
+    # in flight: 2 under 1F1B, 3 under interleaved (stage 0 of micro-batches 0 and 1, stage 2 of 0 and 1, then
+    # stage 0 of 2 before the first backward)
+    hidden = 2 * 64 * 64 * 4  # micro-batch 2, seq 64, d_model 64, fp32
+    for schedule, in_flight in (("1f1b", 2), ("interleaved-1f1b", 3)):
+        est = _stages_estimate("gpt-tiny-4", schedule)
+        assert est.peak_bytes == est.stages[0]["peak_bytes"]
+        assert dict(est.modules)["embed"] == in_flight * hidden, schedule
     held = ("parameters", "gradients", "optimizer_state")
     states = [[{k: s["breakdown"][k] for k in held} for s in _stages_estimate("gpt-tiny-4", schedule).stages]
               for schedule in ("1f1b", "interleaved-1f1b", "zero-bubble")]
