@@ -92,6 +92,12 @@ def _train(config: Config, steps: int = 3, layers: int = 2):
                     for n, p in trainer.model.named_parameters()}
 
 
+@functools.cache
+def _one_process(layers: int):
+    """The single-process run every layout is compared with: trained once per depth."""
+    return _train(Config(micro_batch=4, grad_accum=4), layers=layers)
+
+
 @pytest.mark.parametrize("schedule,gpus", [("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("interleaved-1f1b", 2),
                                            ("zero-bubble", 1)])
 def test_a_pipeline_trains_as_one_process(schedule, gpus):
@@ -103,7 +109,7 @@ def test_a_pipeline_trains_as_one_process(schedule, gpus):
     from truth import on_gloo_ranks
 
     layers = 4 if schedule in ("interleaved-1f1b", "zero-bubble") else 2
-    one_losses, one_weights = _train(Config(micro_batch=4, grad_accum=4), layers=layers)
+    one_losses, one_weights = _one_process(layers)
     cfg = Config(micro_batch=4, grad_accum=4 // gpus, pp=2, pp_schedule=schedule, gpus=gpus,
                  data_parallel="fsdp" if gpus > 1 else "none")
     results = on_gloo_ranks(cfg.world, lambda rank: _train(cfg, layers=layers))
