@@ -240,8 +240,8 @@ class Pipeline:
     # ---------------------------------------------------------------------------------------- the engine
 
     def step(self, batch, micro_batch: int) -> torch.Tensor:
-        """One step's forwards and backwards over `batch`'s micro-batches under the schedule; the mean loss
-        on the last stage (zero elsewhere)."""
+        """One step's forwards and backwards over `batch`'s micro-batches under the schedule, for every stage
+        this rank holds; the mean loss on the rank holding the last stage (zero elsewhere)."""
         from torch.distributed.pipelining import PipelineStage
 
         n = self.config.grad_accum
@@ -296,7 +296,7 @@ class Pipeline:
         return torch.empty(out.shape, dtype=out.dtype, device=self.device, requires_grad=True)
 
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
-        """The gradients' L2 norm over every stage, from this stage's."""
+        """The gradients' L2 norm over every rank's stages, from this rank's."""
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
