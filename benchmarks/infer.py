@@ -54,27 +54,28 @@ BATCH_POINTS = [(1, 16, 4, WHOLE), (2, 40, 4, WHOLE), (4, 60, 4, WHOLE), (4, 48,
 PLANNER_LOGS = ("https://github.com/llm-d-incubation/llm-d-planner/blob/d3121e059da88662db39a926a3ead964be97359b/"
                 "accuracy/results/v0.19.0/logs")
 V019_H100 = dict(device="h100", max_model_len=8192, gpu_memory_utilization=0.95, max_num_batched_tokens=8192,
-                 max_num_seqs=1024)
+                 max_num_seqs=1024, vllm_version="0.19")
 
 # (source, model config, infer settings, published figures). GiB figures as the logs print them ("GB" in vLLM's
 # older logs is GiB: 14.9888 = 8,030,261,248 bf16 parameters plus the 32 MiB rotary table, / 2**30).
 ROWS = [
     ("https://github.com/vllm-project/vllm/issues/10517 (V0, RTX 3090, --max-model-len 20000)", "llama-3.1-8b",
-     dict(device="rtx-3090", max_model_len=20000, max_num_batched_tokens=20000, max_num_seqs=256),
+     dict(device="rtx-3090", max_model_len=20000, max_num_batched_tokens=20000, max_num_seqs=256, vllm_version="0.6"),
      dict(weights=14.9888, kv=3.81, blocks=1952, concurrency=1.56)),
     ("https://github.com/vllm-project/vllm/issues/10517 (V0, RTX 3090, --max-model-len 29000, which vLLM then refused: "
      "the profile run of 29,000 tokens left 1478 blocks; memfit's figures for that run, its max_model_len check "
      "left out here)", "llama-3.1-8b",
-     dict(device="rtx-3090", max_model_len=2048, max_num_batched_tokens=29000, max_num_seqs=256),
+     dict(device="rtx-3090", max_model_len=2048, max_num_batched_tokens=29000, max_num_seqs=256, vllm_version="0.6"),
      dict(weights=14.9888, kv=2.89, blocks=1478)),
     ("https://github.com/vllm-project/vllm/pull/12569 (V1, H100, w8a8 int8, 0.98, --max-model-len 2048)",
-     "llama-3.1-70b", dict(device="h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8"),
+     "llama-3.1-70b", dict(device="h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8",
+                           vllm_version="0.7"),
      dict(weights=67.7229, blocks=1381, concurrency=10.79)),
     ("https://github.com/vllm-project/vllm/pull/10511 (V0, H100, Meta-Llama-3-8B)", "llama-3-8b",
-     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256),
+     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256, vllm_version="0.6"),
      dict(weights=14.96, kv=53.29)),
     ("https://github.com/vllm-project/vllm/pull/10511 (V0, H100, Meta-Llama-3-8B -tp 2)", "llama-3-8b",
-     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256, tp=2),
+     dict(device="h100", max_num_batched_tokens=8192, max_num_seqs=256, tp=2, vllm_version="0.6"),
      dict(weights=7.48)),
     *[(f"{PLANNER_LOGS}/{log}.log (vLLM 0.19.0, H100 80GB, {what})", name, V019_H100, published)
       for log, name, what, published in [

@@ -104,20 +104,22 @@ def test_published_rtx_3090_row():
     batches 20,000 tokens over 256 sequences): "Loading model weights took 14.9888 GB", kv_cache_size 3.81 GiB,
     1952 blocks, "Maximum concurrency for 20000 tokens per request: 1.56x"."""
     r = infer(model("llama-3.1-8b"), "rtx-3090", max_model_len=20_000, max_num_batched_tokens=20_000,
-              max_num_seqs=256)
+              max_num_seqs=256, vllm_version="0.6")
     assert r.weights_bytes / GiB == pytest.approx(14.9888, rel=0.02)
     assert r.kv_cache_bytes / GiB == pytest.approx(3.81, rel=0.10)
     assert r.kv_cache_tokens == pytest.approx(1952 * 16, rel=0.10)
     assert r.max_concurrency == pytest.approx(1.56, rel=0.10)
     # the same user's 29,000: vLLM refused it ("larger than ... (23648)"); memfit refuses it and names the length
     with pytest.raises(PlanError, match=r"longest that fits is 2[1-6],\d{3} tokens"):
-        infer(model("llama-3.1-8b"), "rtx-3090", max_model_len=29_000, max_num_batched_tokens=29_000, max_num_seqs=256)
+        infer(model("llama-3.1-8b"), "rtx-3090", max_model_len=29_000, max_num_batched_tokens=29_000, max_num_seqs=256,
+              vllm_version="0.6")
 
 
 def test_published_70b_w8a8_row():
     """vllm-project/vllm#12569: Llama-3.1-70B-Instruct quantized.w8a8 (int8) on an H100 at 0.98, max_model_len 2048:
     "Loading model weights took 67.7229 GB", "# GPU blocks: 1381", "Maximum concurrency ... 10.79x"."""
-    r = infer(model("llama-3.1-70b"), "h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8")
+    r = infer(model("llama-3.1-70b"), "h100", max_model_len=2048, gpu_memory_utilization=0.98, quantization="int8",
+              vllm_version="0.7")
     assert r.weights_bytes / GiB == pytest.approx(67.7229, rel=0.02)
     assert r.num_blocks == pytest.approx(1381, rel=0.10)
     assert r.max_concurrency == pytest.approx(10.79, rel=0.10)
@@ -133,7 +135,7 @@ def test_published_sliding_window_and_mla_rows(name, published):
     within 10%; the tokens each GiB of cache holds equal the log's within its rounding of the GiB figure (0.01 GiB),
     so the pages per layer kind are vLLM's."""
     r = infer(model(name), "h100", max_model_len=8192, gpu_memory_utilization=0.95, max_num_batched_tokens=8192,
-              max_num_seqs=1024)
+              max_num_seqs=1024, vllm_version="0.19")
     assert r.weights_bytes / GiB == pytest.approx(published["weights"], rel=0.02)
     assert r.kv_cache_bytes / GiB == pytest.approx(published["kv"], rel=0.10)
     assert r.kv_cache_tokens == pytest.approx(published["tokens"], rel=0.10)
@@ -141,6 +143,36 @@ def test_published_sliding_window_and_mla_rows(name, published):
     rounding = 0.005 / published["kv"]
     assert r.kv_cache_tokens / (r.kv_cache_bytes / GiB) == pytest.approx(published["tokens"] / published["kv"],
                                                                            rel=rounding + 1e-4)
+
+
+@pytest.mark.parametrize("version", [(0, 6), (0, 19)])
+def test_the_sampler_holds_what_each_vllm_release_allocates(version):
+    """The dummy sampler run over R rows of a V-token vocabulary (B = R x V x 4 bytes, one fp32 logits buffer),
+    above its bf16 input, counted by hand from vLLM's code. Before 0.17 the peak is the top-p mask: the fp32
+    copy, the sorted values, their int64 indices (2B), the cumulative softmax (B) and the boolean mask (B/4) live
+    together, beside the greedy ids (8R), the top-k threshold (4R) and the mask's one-byte False: 5.25B. From
+    0.17 the Triton kernel masks the copy in place with one fp32 vocabulary row per program as scratch (min(SMs,
+    R) rounded up to a power of two, at most the SMs); the peak is the last op: the copy, its softmax, the
+    exponential draw (3B), the scratch, and the greedy, argmax and chosen ids (8R each) with the choice's mask (R)."""
+    from memfit.inference.trace import vllm_sampler
+    from memfit.memory.fake import new_fake_mode
+    from memfit.memory.tracker import LiveBytes
+
+    rows, vocab, sms = 64, 1000, 40
+    b = rows * vocab * 4
+    with new_fake_mode():
+        logits = torch.empty(rows, vocab, dtype=torch.bfloat16)
+        tracker = LiveBytes("cpu", detail=False)
+        tracker.track([logits])
+        base = tracker.current
+        with torch.no_grad(), tracker:
+            vllm_sampler(logits, version, sms)
+        tracker.close()
+    if version < (0, 17):
+        assert tracker.peak - base == 5 * b + b // 4 + 8 * rows + 4 * rows + 1
+    else:
+        scratch = 40 * vocab * 4  # min(40 SMs, 64 rows) programs, rounded up to 64, capped at the 40 SMs
+        assert tracker.peak - base == 3 * b + scratch + 3 * 8 * rows + rows
 
 
 # ------------------------------------------------------------------------------------- what fits

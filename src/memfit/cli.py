@@ -590,7 +590,7 @@ def cmd_infer(args) -> int:
     settings = dict(max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, tp=args.tp,
-                    block_size=args.block_size)
+                    block_size=args.block_size, vllm_version=args.vllm_version)
     if args.run:
         from memfit.inference.run import run_generate_batch
 
@@ -796,6 +796,8 @@ def _add_infer_command(sub) -> None:
     p.add_argument("--quantization", default="none", help="weights: none, fp8, int8 (W8A8) or int4 (AWQ/GPTQ)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; figures are per rank")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: 16)")
+    p.add_argument("--vllm-version", default="0.19", help="the vLLM release whose profile run is traced: its "
+                                                          "sampler changed in 0.17 (default: %(default)s)")
     p.add_argument("--concurrency", type=int, help="with --context: the smallest setting that holds this many requests")
     p.add_argument("--context", type=int, help="with --concurrency: tokens per request")
     p.add_argument("--run", action="store_true", help="generate with transformers' continuous batching on this CPU "

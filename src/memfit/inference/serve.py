@@ -20,6 +20,7 @@ KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")
 NON_TORCH = 256 << 20       # kernels loaded by the first forward, outside PyTorch's allocator (assumed)
 HIGH_MEMORY = 70 << 30      # vLLM's server defaults differ above this device memory
 TABLE_CONTEXTS = (2048, 8192, 32768, 131072)
+VLLM_VERSION = "0.19"       # the release whose profile run is traced unless told otherwise
 
 
 @dataclasses.dataclass
@@ -67,9 +68,10 @@ def model_config(model):
 def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_len: int | None = None,
           gpu_memory_utilization: float = 0.9, max_num_seqs: int | None = None,
           max_num_batched_tokens: int | None = None, kv_cache_dtype: str = "auto", quantization: str = "none",
-          tp: int = 1, block_size: int | None = None) -> Inference:
+          tp: int = 1, block_size: int | None = None, vllm_version: str = VLLM_VERSION) -> Inference:
     """Memory of serving `model` (a transformers config, a config.json path, a cached Hub id or a model type)
-    on `device` with `engine`, per rank of `tp`.
+    on `device` with `engine`, per rank of `tp`. `vllm_version` ("0.19") picks the sampler its profile run
+    traces: before 0.17 it sorts the dummy batch's logits, from 0.17 it masks them in place.
 
     Example::
 
@@ -101,18 +103,27 @@ def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_
                           "`memfit infer MODEL --engine transformers --run`")
     name = model if isinstance(model, str) else config.model_type
     return _vllm(name, config, dev, max_model_len, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-                 kv_cache_dtype, quantization, tp, block_size)
+                 kv_cache_dtype, quantization, tp, block_size, release(vllm_version))
+
+
+def release(version: str) -> tuple[int, int]:
+    """"0.19" or "0.19.1" -> (0, 19)."""
+    parts = str(version).split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise ConfigError(f"--vllm-version {version!r}: give the release as MAJOR.MINOR, e.g. 0.19")
+    return int(parts[0]), int(parts[1])
 
 
 def _vllm(name, config, dev, max_model_len, utilization, max_num_seqs, batched, kv_dtype, quantization, tp,
-          block_size) -> Inference:
+          block_size, version: tuple[int, int]) -> Inference:
     default_tokens, default_seqs = vllm_defaults(dev)
     batched = batched or default_tokens
     seqs = max_num_seqs or default_seqs
     caches = kv.layer_caches(config, kv_dtype, tp)
     layout = engines.vllm_layout(caches, block_size)
     weights = weight_bytes(config, quantization, tp)
-    traced = profile_peak(config, batched, min(seqs, batched), tp)
+    traced = profile_peak(config, batched, min(seqs, batched), tp, version=version,
+                          multiprocessors=dev.multiprocessors)
     nccl = nccl_bytes(dev, tp, "ddp", None) or 0
     budget = engines.Budget(dev.memory_bytes, utilization, weights.bytes, traced.bytes + dev.cublas_workspace_bytes,
                             NON_TORCH + nccl)
@@ -127,7 +138,7 @@ def _vllm(name, config, dev, max_model_len, utilization, max_num_seqs, batched, 
         "--enforce-eager leaves them out"]
     settings = dict(gpu_memory_utilization=utilization, max_model_len=max_model_len, max_num_seqs=seqs,
                     max_num_batched_tokens=batched, block_size=layout.block_size, kv_cache_dtype=kv_dtype,
-                    quantization=quantization, tensor_parallel_size=tp)
+                    quantization=quantization, tensor_parallel_size=tp, vllm_version=".".join(map(str, version)))
     flags = (f"vllm serve MODEL --gpu-memory-utilization {utilization:g} --max-model-len {max_model_len} "
              f"--max-num-seqs {seqs} --max-num-batched-tokens {batched}"
              + (f" --kv-cache-dtype {kv_dtype}" if kv_dtype != "auto" else "")

@@ -6,7 +6,8 @@ peak of that run is subtracted from the budget. Here the transformers implementa
 same forward on fake tensors: tokens flattened into one row, attention returning an empty output as vLLM's
 backends do when profiling (no cache to write, no metadata), hidden states of the requests' last tokens only
 through the LM head, then the sampler's steps as vLLM runs them for the dummy batch (fp32 logits, temperature,
-top-k / top-p over sorted logits, softmax, exponential draw) in plain PyTorch. The activation peak of a
+top-k / top-p, softmax, exponential draw) in plain PyTorch: before vLLM 0.17 over sorted logits, from 0.17 on
+masked in place by its Triton kernel (`vllm_sampler`). The activation peak of a
 decoder lies inside one layer, so only the first layers are built (one of each attention kind, and of the
 MoE's dense layers where it has them): every other layer repeats one traced.
 """
@@ -104,25 +105,36 @@ def _build(config, dtype: torch.dtype, attention: str):
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def vllm_sampler(logits: torch.Tensor) -> torch.Tensor:
+TRITON_SAMPLER = (0, 17)  # the vLLM release whose CUDA sampler masks top-k / top-p in place (vLLM PR 33538)
+
+
+def vllm_sampler(logits: torch.Tensor, version: tuple[int, int], multiprocessors: int) -> torch.Tensor:
     """The memory-relevant steps of vLLM's sampler on its dummy batch (temperature 0.5, top-p 0.9, top-k the
-    vocabulary less one, PyTorch's native top-k/top-p path): what the profile run holds after the forward."""
+    vocabulary less one): what the profile run holds after the forward. Before vLLM 0.17 the native top-k/top-p
+    path sorts the logits (values and int64 indices, then a scatter back); from 0.17 a Triton kernel masks them
+    in place, its scratch one fp32 vocabulary row per program (at most one a multiprocessor, a power of two
+    below that, cached for later steps), so the sort's three logits-sized buffers are gone."""
     rows, vocab = logits.shape
     x = logits.to(torch.float32)
     greedy = x.argmax(dim=-1)
     x.div_(torch.full((rows, 1), 0.5, device=x.device))
-    ordered, index = x.sort(dim=-1)
-    kth = ordered.gather(1, torch.full((rows, 1), 1, dtype=torch.long, device=x.device))
-    ordered.masked_fill_(ordered < kth, float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    torch.cumsum(probs, dim=-1, out=probs)
-    below = probs <= 1 - 0.9
-    below[:, -1] = False
-    ordered.masked_fill_(below, float("-inf"))
-    del probs, below
-    x = ordered.scatter(dim=-1, index=index, src=ordered)
-    del ordered, index
-    probs = x.softmax(dim=-1, dtype=torch.float32)
+    if version >= TRITON_SAMPLER:
+        programs = min(multiprocessors, rows)
+        scratch = torch.empty(min(1 << (programs - 1).bit_length(), multiprocessors), vocab, device=x.device)
+        probs = x.softmax(dim=-1, dtype=torch.float32)  # scratch stays to the end: vLLM keeps it cached
+    else:
+        ordered, index = x.sort(dim=-1)
+        kth = ordered.gather(1, torch.full((rows, 1), 1, dtype=torch.long, device=x.device))
+        ordered.masked_fill_(ordered < kth, float("-inf"))
+        probs = ordered.softmax(dim=-1)
+        torch.cumsum(probs, dim=-1, out=probs)
+        below = probs <= 1 - 0.9
+        below[:, -1] = False
+        ordered.masked_fill_(below, float("-inf"))
+        del probs, below
+        x = ordered.scatter(dim=-1, index=index, src=ordered)
+        del ordered, index
+        probs = x.softmax(dim=-1, dtype=torch.float32)
     draw = torch.empty_like(probs).exponential_()
     return torch.where(greedy >= 0, probs.div_(draw).argmax(dim=-1), greedy)
 
@@ -141,8 +153,10 @@ def _quiet_transformers():
         logging.set_verbosity(level)
 
 
-def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.dtype = torch.bfloat16) -> Traced:
-    """The torch peak increase of vLLM's profile run for `tokens` tokens over `requests` requests, on one rank."""
+def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.dtype = torch.bfloat16,
+                 version: tuple[int, int] = TRITON_SAMPLER, multiprocessors: int = 0) -> Traced:
+    """The torch peak increase of vLLM `version`'s profile run for `tokens` tokens over `requests` requests, on
+    one rank of a GPU with `multiprocessors` SMs."""
     _register()
     layers = layers_to_trace(config)
     cfg = _truncated(per_rank(config, tp), layers)
@@ -164,11 +178,14 @@ def profile_peak(config, tokens: int, requests: int, tp: int = 1, dtype: torch.d
             del hidden
             logits = model.get_output_embeddings()(chosen)
             del chosen
-            vllm_sampler(logits)
+            vllm_sampler(logits, version, multiprocessors)
             del logits
         tracker.close()
     notes = [f"profile forward traced over {layers} of {config.num_hidden_layers} layers (each further layer repeats "
              "one traced: the peak lies inside one layer or in the sampler)"]
+    notes.append(f"vLLM {version[0]}.{version[1]}'s sampler: " + (
+        f"top-k/top-p masked in place by its Triton kernel (scratch: one vocabulary row for each of up to "
+        f"{multiprocessors} SMs)" if version >= TRITON_SAMPLER else "top-k/top-p over sorted logits"))
     if tp > 1:
         notes.append(f"per rank of {tp}: attention heads and MLP width divided, logits gathered whole for the sampler")
     return Traced(tracker.peak - base, layers, notes)

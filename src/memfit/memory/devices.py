@@ -49,6 +49,7 @@ class Device:
     bf16: bool                # native bf16 support
     context_bytes: int        # CUDA context + library code outside PyTorch's allocator
     cublas_workspace_bytes: int  # cuBLAS workspace PyTorch takes from its caching allocator
+    multiprocessors: int = 0  # streaming multiprocessors (SMs), which size some kernels' scratch; 0 = unknown
 
 
 def _gib(value: float) -> int:
@@ -102,58 +103,59 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
 _PCIE3, _PCIE4, _PCIE5 = 12e9, 25e9, 50e9
 
 
-def _gpu(name, description, memory_bytes, peak_flops, memory_bandwidth, host_bandwidth, cc, bf16) -> Device:
+def _gpu(name, description, memory_bytes, peak_flops, memory_bandwidth, host_bandwidth, cc, bf16, sms) -> Device:
     return Device(name, "cuda", description, memory_bytes, peak_flops, memory_bandwidth, host_bandwidth,
-                  cc, bf16, context_bytes_for(cc), cublas_workspace_bytes(cc))
+                  cc, bf16, context_bytes_for(cc), cublas_workspace_bytes(cc), sms)
 
 
+# SMs (the last figure) from NVIDIA's data sheets and architecture whitepapers.
 # Memory sources: "oom" means PyTorch's OOM message as quoted in public issue reports.
 # "smi" means nvidia-smi / NVML totals, as tabled at thundergolfer.com/blog/nvidia-gpu-memory-capacity.
 _CATALOGUE = [
     # Hopper. H100 SXM: oom 79.11 GiB (vllm-project/vllm#27508); smi 81,559 MiB.
     _gpu("h100", "NVIDIA H100 SXM5 80GB", _gib(79.11),
-         _flops(66.9, 494.7, 989.4, 989.4), 3.35e12, _PCIE5, (9, 0), True),
+         _flops(66.9, 494.7, 989.4, 989.4), 3.35e12, _PCIE5, (9, 0), True, 132),
     # H100 PCIe (80GB HBM2e, 114 SMs). Memory is an estimate: same smi total as SXM.
     _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", _gib(79.11),
-         _flops(51.2, 378.0, 756.0, 756.0), 2.0e12, _PCIE5, (9, 0), True),
+         _flops(51.2, 378.0, 756.0, 756.0), 2.0e12, _PCIE5, (9, 0), True, 114),
     # H200 SXM: H100 SXM compute, 141 GB HBM3e. Memory is an estimate: smi 143,771 MiB, minus
     # the 550 MiB gap between smi and torch seen on H100.
     _gpu("h200", "NVIDIA H200 SXM 141GB", (143_771 - 550) * MiB,
-         _flops(66.9, 494.7, 989.4, 989.4), 4.8e12, _PCIE5, (9, 0), True),
+         _flops(66.9, 494.7, 989.4, 989.4), 4.8e12, _PCIE5, (9, 0), True, 132),
     # Ampere. A100 80GB: oom 79.25 GiB (levihsu/OOTDiffusion#235); smi 81,920 MiB.
     _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB", _gib(79.25),
-         _flops(19.5, 156.0, 312.0, 312.0), 2.039e12, _PCIE4, (8, 0), True),
+         _flops(19.5, 156.0, 312.0, 312.0), 2.039e12, _PCIE4, (8, 0), True, 108),
     # A100 40GB: deviceQuery totalGlobalMem 42,298,834,944 B (bottlerocket-os/bottlerocket#3873).
     _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB", 42_298_834_944,
-         _flops(19.5, 156.0, 312.0, 312.0), 1.555e12, _PCIE4, (8, 0), True),
+         _flops(19.5, 156.0, 312.0, 312.0), 1.555e12, _PCIE4, (8, 0), True, 108),
     # A10G (AWS G5): oom 22.20 GiB (XavierXiao/Dreambooth-Stable-Diffusion#18, h2oai/h2ogpt#48).
     # AWS's A10G variant trades tensor throughput for clocks: ~70 dense bf16/fp16 TFLOP/s
     # against the A10's 125 (per Baseten's A10-vs-A10G comparison). Less certain than the rest.
     _gpu("a10g", "NVIDIA A10G 24GB (AWS G5)", _gib(22.20),
-         _flops(31.52, 35.0, 70.0, 70.0), 600e9, _PCIE4, (8, 6), True),
+         _flops(31.52, 35.0, 70.0, 70.0), 600e9, _PCIE4, (8, 6), True, 80),
     # RTX 3090: oom 23.69-23.70 GiB (GaoLii/DSP#10). GA102 whitepaper, FP32 accumulate.
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090 24GB", _gib(23.69),
-         _flops(35.6, 35.6, 71.0, 71.0), 936e9, _PCIE4, (8, 6), True),
+         _flops(35.6, 35.6, 71.0, 71.0), 936e9, _PCIE4, (8, 6), True, 82),
     # Ada. L4: memory is an estimate. smi shows 23,034 MiB, the same as the A10G's 23,028.
     _gpu("l4", "NVIDIA L4 24GB", _gib(22.20),
-         _flops(30.3, 60.0, 121.0, 121.0), 300e9, _PCIE4, (8, 9), True),
+         _flops(30.3, 60.0, 121.0, 121.0), 300e9, _PCIE4, (8, 9), True, 58),
     # L40S: memory is an estimate. smi 46,068 MiB, minus the ~300 MiB GDDR6 gap seen on A10G/T4.
     _gpu("l40s", "NVIDIA L40S 48GB", (46_068 - 300) * MiB,
-         _flops(91.6, 183.0, 362.0, 362.0), 864e9, _PCIE4, (8, 9), True),
+         _flops(91.6, 183.0, 362.0, 362.0), 864e9, _PCIE4, (8, 9), True, 142),
     # RTX 4090: oom 23.64 GiB (ali-vilab/VGen#104, 3DTopia/Phidias-Diffusion#8). Ada whitepaper,
     # FP32 accumulate.
     _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", _gib(23.64),
-         _flops(82.6, 82.6, 165.2, 165.2), 1008e9, _PCIE4, (8, 9), True),
+         _flops(82.6, 82.6, 165.2, 165.2), 1008e9, _PCIE4, (8, 9), True, 128),
     # Turing. T4: oom 14.75 GiB (googlecolab/colabtools#3439); smi 15,360 MiB. No TF32, no bf16.
     _gpu("t4", "NVIDIA Tesla T4 16GB", _gib(14.75),
-         _flops(8.1, 8.1, 8.1, 65.0), 320e9, _PCIE3, (7, 5), False),
+         _flops(8.1, 8.1, 8.1, 65.0), 320e9, _PCIE3, (7, 5), False, 40),
     # Volta (SXM2, whose host link is PCIe 3.0 x16; NVLink only joins the GPUs). No TF32, no bf16.
     # V100 32GB: oom 31.75 GiB (hiyouga/LlamaFactory#182). V100 16GB: oom 15.78 GiB
     # (googlecolab/colabtools#2001).
     _gpu("v100-32gb", "NVIDIA Tesla V100 SXM2 32GB", _gib(31.75),
-         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False),
+         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False, 80),
     _gpu("v100-16gb", "NVIDIA Tesla V100 SXM2 16GB", _gib(15.78),
-         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False),
+         _flops(15.7, 15.7, 15.7, 125.0), 900e9, _PCIE3, (7, 0), False, 80),
 ]
 
 DEVICES: dict[str, Device] = {d.name: d for d in _CATALOGUE}
@@ -451,4 +453,5 @@ def _present_gpu(key: str) -> Device:
         bf16=cc >= (8, 0),
         context_bytes=context_bytes_for(cc),
         cublas_workspace_bytes=cublas_workspace_bytes(cc, os.environ.get("CUBLAS_WORKSPACE_CONFIG")),
+        multiprocessors=props.multi_processor_count,
     )
