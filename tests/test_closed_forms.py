@@ -177,3 +177,90 @@ def test_memfits_own_gpt_block_follows_the_same_accounting_with_its_terms(t):
                                      device="h100").breakdown["activations"] for n in (3, 2))
     sb = s * B
     assert deep - shallow == sb * h * (20 / t + 4) + 8 * sb * f / t + (8 + 4 * a) * sb / t + 4 * s * d
+
+
+# --------------------------------------------------------------------------- pipeline schedules' step time
+# A step of n micro-batches over p pipeline ranks, in slots of one micro-batch's forward and backward on a rank.
+
+def test_1f1b_and_gpipe_take_n_plus_p_minus_1_slots():
+    """Narayanan et al. 2021 §2.2.1: a bubble of p - 1 slots, (p - 1) / n of the ideal n, under either."""
+    from memfit.planner.costmodel import pipeline_receives, pipeline_slots
+
+    assert pipeline_slots("1f1b", 4, 8) == pipeline_slots("gpipe", 4, 8) == 11  # 8 + 3
+    assert pipeline_receives("1f1b", 4, 8) == 11
+
+
+def test_interleaved_1f1b_divides_the_bubble_by_v_and_multiplies_the_sends_by_v():
+    """Narayanan et al. 2021 §2.2.2: v stages a rank fill and drain in chunks of 1/v of a slot: (p - 1) / v
+    slots of bubble, and a rank receives v times a micro-batch."""
+    from memfit.planner.costmodel import pipeline_receives, pipeline_slots
+
+    assert pipeline_slots("interleaved-1f1b", 4, 8, virtual=2) == 9.5   # 8 + 3 / 2
+    assert pipeline_slots("interleaved-1f1b", 8, 16, virtual=4) == 17.75  # 16 + 7 / 4
+    assert pipeline_receives("interleaved-1f1b", 4, 8, virtual=2) == 19  # 2 x 8 + 3
+
+
+def test_zero_bubble_leaves_the_forwards_share_of_the_interleaved_bubble():
+    """Qi et al. 2023: ZB-H1's bubble is (p - 1)(F + I - W), a third of 1F1B's when F = I = W; torch's ZB1P
+    interleaves it over v stages a rank: 8 + 3 x (1/3) / 2 slots."""
+    from memfit.planner.costmodel import pipeline_receives, pipeline_slots
+
+    assert pipeline_slots("zero-bubble", 4, 8, virtual=2) == pytest.approx(8.5)
+    assert pipeline_slots("zero-bubble", 4, 8, virtual=2, forward_share=0.25) == pytest.approx(8.375)
+    assert pipeline_receives("zero-bubble", 4, 8, virtual=2) == 19
+
+
+def _replay(schedule, ranks: int, virtual: int, n: int, forward: float, backward_input: float,
+            weight: float) -> float:
+    """The makespan of torch's own order for each rank (its `_calculate_single_rank_operations`, the
+    schedule's object made without stages or a process group), each action run as soon as its input has
+    arrived: a forward after the previous stage's forward, a backward after the next stage's (or, on the last
+    stage, its own forward), a weight pass after its input pass. A full backward takes I + W."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    sched = object.__new__(schedule)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = ranks, virtual, n
+    sched.number_of_rounds = max(1, n // ranks)
+    sched.microbatches_per_round = n // sched.number_of_rounds
+    orders = {r: [a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
+    kind = {C.FORWARD: "F", C.FULL_BACKWARD: "B", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
+    took = {C.FORWARD: forward, C.FULL_BACKWARD: backward_input + weight, C.BACKWARD_INPUT: backward_input,
+            C.BACKWARD_WEIGHT: weight}
+    stages, done, clock, at = ranks * virtual, {}, [0.0] * ranks, [0] * ranks
+    while any(at[r] < len(orders[r]) for r in range(ranks)):
+        moved = False
+        for r in range(ranks):
+            while at[r] < len(orders[r]):
+                a = orders[r][at[r]]
+                s, op, m = a.stage_index, a.computation_type, a.microbatch_index
+                if kind[op] == "F":
+                    need = (s - 1, "F", m) if s > 0 else None
+                elif kind[op] == "B":
+                    need = (s + 1, "B", m) if s < stages - 1 else (s, "F", m)
+                else:
+                    need = (s, "B", m)
+                if need is not None and need not in done:
+                    break
+                clock[r] = max(clock[r], done.get(need, 0.0)) + took[op] / virtual
+                done[(s, kind[op], m)] = clock[r]
+                at[r] += 1
+                moved = True
+        assert moved, "the order deadlocks"
+    return max(clock)
+
+
+@pytest.mark.parametrize("ranks,virtual,n", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
+def test_torchs_interleaved_orders_take_the_slots_the_closed_forms_say(ranks, virtual, n):
+    """torch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble replayed with F = I = W = 1 (a slot is 3):
+    interleaved 1F1B's bubble is (p - 1) / v slots and zero bubble's a third of it, as `pipeline_slots` says;
+    with W > I zero bubble cannot drop below (p - 1) F / v, with W < I it is ZB-H1's (p - 1)(F + I - W) / v."""
+    from torch.distributed.pipelining import schedules
+
+    from memfit.planner.costmodel import pipeline_slots
+
+    interleaved = _replay(schedules.ScheduleInterleaved1F1B, ranks, virtual, n, 1, 1, 1)
+    assert interleaved == pytest.approx(3 * pipeline_slots("interleaved-1f1b", ranks, n, virtual))
+    zero = _replay(schedules.ScheduleInterleavedZeroBubble, ranks, virtual, n, 1, 1, 1)
+    assert zero == pytest.approx(3 * pipeline_slots("zero-bubble", ranks, n, virtual, forward_share=1 / 3))
+    uneven = _replay(schedules.ScheduleInterleavedZeroBubble, ranks, virtual, n, 1, 1.5, 0.5)
+    assert uneven - 3 * n == pytest.approx((ranks - 1) * (1 + 1.5 - 0.5) / virtual)

@@ -230,23 +230,61 @@ def _collective(name: str) -> int:
     return 2 if name.startswith("allreduce") else 1
 
 
+def pipeline_slots(schedule: str, ranks: int, micro_batches: int, virtual: int = 1,
+                   forward_share: float = 1 / 3) -> float:
+    """A pipeline step's compute, in slots of one micro-batch's forward and backward on one rank (all its stages):
+    the n slots every schedule needs and its bubble, (p - 1) slots times what the schedule leaves of it.
+
+    - ``gpipe``, ``1f1b``: p - 1 slots, a bubble of (p - 1) / n of the ideal (Huang et al. 2019, GPipe;
+      Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+      section 2.2.1: the same bubble, 1F1B only holds fewer micro-batches).
+    - ``interleaved-1f1b``: each rank runs v stages of 1/v of its blocks, so the fill and drain take chunks of
+      1/v of a slot: (p - 1) / v slots, (p - 1) / (v n) of the ideal (Narayanan et al. 2021, section 2.2.2).
+    - ``zero-bubble``: torch's ``ScheduleInterleavedZeroBubble`` (ZB1P, Qi et al. 2023, "Zero Bubble Pipeline
+      Parallelism") is the interleaved order with each backward split into its input gradient (I) and a weight
+      gradient (W) held back to fill the bubble. ZB-H1's bubble is (p - 1)(F + I - W), a third of 1F1B's
+      (p - 1)(F + I + W) when F = I = W; torch interleaves it, so (p - 1)(F + I - W) / v. The trace does not
+      part I from W; with I = W (their matmuls' FLOPs are equal) it is (p - 1) F / v: `forward_share` of the
+      interleaved schedule's bubble, F / (F + I + W). Checked against torch's own order, replayed with
+      those durations (tests/test_closed_forms.py)."""
+    bubble = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1 / virtual,
+              "zero-bubble": forward_share / virtual}[schedule]
+    return micro_batches + (ranks - 1) * bubble
+
+
+def pipeline_receives(schedule: str, ranks: int, micro_batches: int, virtual: int = 1) -> int:
+    """Blocking waits for an activation or a gradient along a step's critical path: one per chunk slot. A rank
+    of an interleaved schedule receives v times a micro-batch (once per stage it holds): v n + p - 1, v times
+    the point-to-point traffic (Narayanan et al. 2021, section 2.2.2); one stage a rank: n + p - 1."""
+    v = virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    return v * micro_batches + ranks - 1
+
+
 def pipeline_seconds(profile: Profile, stage_ops: list, micro_batches: int, comm: "Comm | None" = None,
-                     send_seconds: float = 0.0) -> float:
-    """Predicted wall time of a pipeline step from every stage's traced step (all its micro-batches). 1F1B and
-    GPipe both run n micro-batches through p stages in n + p - 1 slots, each as long as the slowest stage's
-    forward and backward of one micro-batch (its collectives overlapped as `comm` says): the p - 1 extra
-    slots are the bubble. Each slot also waits for its activation or gradient to arrive (`send_seconds`: the
-    schedules block on the receive before computing). Then the slowest stage's optimizer step."""
-    stages = len(stage_ops)
-    slot, update = 0.0, 0.0
+                     send_seconds: float = 0.0, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Predicted wall time of a pipeline step from every pipeline rank's traced step (all its stages and
+    micro-batches): `pipeline_slots` slots, each as long as the slowest rank's forward and backward of one
+    micro-batch (its collectives overlapped as `comm` says), plus `pipeline_receives` waits of `send_seconds`
+    (the schedules block on a receive before computing), then the slowest rank's optimizer step."""
+    slot, share, update = pipeline_parts(profile, stage_ops, micro_batches, comm)
+    ranks = len(stage_ops)
+    return (pipeline_slots(schedule, ranks, micro_batches, virtual, share) * slot
+            + pipeline_receives(schedule, ranks, micro_batches, virtual) * send_seconds + update)
+
+
+def pipeline_parts(profile: Profile, stage_ops: list, micro_batches: int, comm: "Comm | None" = None) -> tuple:
+    """The slowest rank's slot (forward and backward of one micro-batch, collectives overlapped), the forward's
+    share of that slot (what zero bubble's bubble is made of), and the slowest rank's optimizer step."""
+    slot, forward, update = 0.0, 0.0, 0.0
     for ops in stage_ops:
         table = OpTable(ops)
         t = phase_seconds(profile, table, ("forward", "backward"))
         if comm is not None:
             t = comm.overlapped(t, table)
         slot = max(slot, t / micro_batches)
+        forward = max(forward, phase_seconds(profile, table, ("forward",)) / micro_batches)
         update = max(update, phase_seconds(profile, table, ("optimizer", "setup")))
-    return (micro_batches + stages - 1) * (slot + send_seconds) + update
+    return slot, (forward / slot if slot else 1 / 3), update
 
 
 def send_seconds(links, nbytes: int, inside_node: bool) -> float:
