@@ -1,7 +1,10 @@
 """An estimate counted from three shallow copies gives the whole model's trace's figures to the byte, on a GPU
 target (the caching allocator's reserved peak included) and on the CPU, for models of several kinds; where it
 does not apply the whole model is traced, and nothing says extrapolated."""
+import io
+
 import pytest
+from rich.console import Console
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
@@ -10,6 +13,7 @@ from memfit.config import Config  # noqa: E402
 from memfit.memory import streams  # noqa: E402
 from memfit.memory.estimate import estimate  # noqa: E402
 from memfit.memory.extrapolate import estimate_blocks, layer_plan  # noqa: E402
+from memfit.report.tables import estimate_view  # noqa: E402
 from memfit.workloads import hf  # noqa: E402
 
 LAYERS = 12  # copies of 1, 2, 3 blocks hold half of them: the least depth extrapolated
@@ -49,6 +53,9 @@ def test_extrapolated_on_the_cpu():
     counted = estimate_blocks(wl, Config(micro_batch=2), "cpu", isolate=False)
     assert counted.extrapolated_from == (3, LAYERS)
     assert _figures(counted) == _figures(estimate(wl, Config(micro_batch=2), "cpu", isolate=False))
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(estimate_view(counted))  # what `memfit estimate --blocks auto` prints
+    assert f"extrapolated from 3 of {LAYERS} blocks" in console.export_text().splitlines()[1]
 
 
 def test_where_it_does_not_apply_the_whole_model_is_traced():

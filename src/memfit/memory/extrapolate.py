@@ -20,7 +20,7 @@ import os
 import torch
 
 from memfit.config import Config
-from memfit.errors import MemfitError, first_line
+from memfit.errors import ConfigError, MemfitError, first_line
 from memfit.memory import allocator, estimate as traced, streams
 from memfit.memory.copies import shallow
 from memfit.memory.devices import Device, defaults_for, get_device
@@ -64,8 +64,11 @@ def layer_plan(workload: Workload, least: int = 1) -> Plan | None:
     layers, a layer pattern with no period, or copies that would hold more than MAX_SHARE of the layers.
     The whole model is built on the meta device (no memory) to read its layers; a factory that builds fewer
     (`with_blocks`) must build the same first layers. `least`: the fewest blocks the first copy may have."""
-    with torch.device("meta"):
-        model = workload.model()
+    try:
+        with torch.device("meta"):
+            model = workload.model()
+    except Exception:  # noqa: BLE001 - a factory that needs real tensors (it reads a checkpoint): traced whole
+        return None
     layers = _layers(model)
     if layers is None:
         return None
@@ -81,15 +84,15 @@ def layer_plan(workload: Workload, least: int = 1) -> Plan | None:
 
 
 def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int]]:
-    """[(period, the least depth of a first copy)]: the layers repeat every `period` from some layer on, and
-    the rest of the model past the first copy is whole periods (rwkv's first block has one norm more;
-    Zamba's first shared-attention layer comes after two Mamba layers, then one in six)."""
+    """[(period, the least depth of a first copy)]: the layers repeat every `period` from some layer on, the
+    first copy holds one of them, and the rest of the model past it is whole periods (rwkv's first block has
+    one norm more; Zamba's first shared-attention layer comes after two Mamba layers, then one in six)."""
     n, out = len(kinds), []
     for period in range(1, n // 3):
         start = next((s for s in range(n - period) if all(kinds[i] == kinds[i + period]
                                                              for i in range(s, n - period))), None)
-        if start is not None:
-            first = max(start, least)
+        if start is not None:  # the first copy holds one repeated layer already (rwkv: its first block and one)
+            first = max(start + 1, least)
             out.append((period, first + (n - first) % period))
     return out
 
@@ -102,9 +105,9 @@ def _builds(workload: Workload, layers: str, kinds: list[tuple], depths: tuple[i
         try:
             with torch.device("meta"):
                 m = fewer(d)
-        except Exception:  # noqa: BLE001 - a copy that does not build is no copy
-            return False
-        if m is not None and _kinds(m, layers) != kinds[:d]:
+            if m is not None and _kinds(m, layers) != kinds[:d]:
+                return False
+        except Exception:  # noqa: BLE001 - a copy that does not build, or has no such list, is no copy
             return False
     return True
 
@@ -113,6 +116,8 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
                     blocks: str = "auto", isolate: bool = True) -> Estimate:
     """`estimate`, counted from three shallow copies where that applies and checks out (`extrapolated_from`
     says so), else traced whole. blocks: "auto" or "all" (trace every block)."""
+    if blocks not in BLOCKS:
+        raise ConfigError(f"blocks {blocks!r}: one of {', '.join(BLOCKS)}")
     dev = device if isinstance(device, Device) else get_device(device)
     config = config or Config(precision=defaults_for(dev).precision)
     plan = layer_plan(workload) if blocks == "auto" and config.world == 1 else None
@@ -169,6 +174,7 @@ def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) ->
 
 
 def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Estimate | None, str]:
+    """The whole depth's estimate from the copies' probes, checked against the third; or (None, why not)."""
     ests = [p.estimate for p in probes]
     if any(e.method != "fake" for e in ests):
         return None, "fake tensors could not follow a copy"
