@@ -1,6 +1,7 @@
 """An estimate counted from three shallow copies gives the whole model's trace's figures to the byte, on a GPU
-target (the caching allocator's reserved peak included) and on the CPU, for models of several kinds; where it
-does not apply the whole model is traced, and nothing says extrapolated."""
+target (the caching allocator's reserved peak included) and on the CPU, for models of several kinds (dense,
+MoE, vision, a Mamba/attention hybrid whose layers repeat every 2); where it does not apply (an
+encoder-decoder, a shallow model) the whole model is traced, and nothing says extrapolated."""
 import io
 
 import pytest
@@ -21,14 +22,18 @@ SMALL = dict(hidden_size=64, num_attention_heads=4, vocab_size=512, num_hidden_l
 KINDS = {
     "llama": dict(SMALL, intermediate_size=128, num_key_value_heads=2),                       # dense
     "mixtral": dict(SMALL, intermediate_size=64, num_key_value_heads=2, num_local_experts=4),  # MoE
-    "mamba": dict(hidden_size=64, state_size=8, vocab_size=512, num_hidden_layers=LAYERS),    # Mamba family
     "vit": dict(SMALL, intermediate_size=128, image_size=32, patch_size=8),                   # vision
+    # a hybrid of the Mamba family: attention every 2nd layer, experts in the others; copies of 2, 4, 6 of 24
+    "jamba": dict(SMALL, num_hidden_layers=2 * LAYERS, num_key_value_heads=2, intermediate_size=64,
+                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
 }
+TRACED = {"jamba": (6, 2 * LAYERS)}  # (blocks traced at most, of); the others 3 of LAYERS
 
 
 def _workload(kind: str, **fields):
     return hf.from_config(transformers.AutoConfig.for_model(kind, **fields), name=kind,
-                          **({} if kind == "vit" else {"seq": 8 if kind == "mamba" else 16}))
+                          **({} if kind == "vit" else {"seq": 8 if kind == "jamba" else 16}))
 
 
 def _figures(e) -> tuple:
@@ -42,10 +47,11 @@ def test_extrapolated_estimate_is_the_full_trace(kind):
     config = Config(micro_batch=1, precision="bf16")
     counted = estimate_blocks(wl, config, "h100", isolate=False)
     full = estimate(wl, config, "h100", isolate=False)
-    assert counted.extrapolated_from == (3, LAYERS)
-    assert counted.notes[0].startswith(f"extrapolated from 3 of {LAYERS} blocks")
+    traced, blocks = TRACED.get(kind, (3, LAYERS))
+    assert counted.extrapolated_from == (traced, blocks)
+    assert counted.notes[0].startswith(f"extrapolated from {traced} of {blocks} blocks")
     assert _figures(counted) == _figures(full)
-    assert full.extrapolated_from is None and counted.to_dict()["extrapolated_from"] == (3, LAYERS)
+    assert full.extrapolated_from is None and counted.to_dict()["extrapolated_from"] == (traced, blocks)
 
 
 def test_extrapolated_on_the_cpu():
