@@ -207,8 +207,12 @@ def test_the_mesh_is_built_once_in_torchtitans_order():
         assert data_parallel_rank(cfg) == mesh.get_local_rank("shard") == 1 and dist.get_rank() == 3
     with pytest.raises(ConfigError, match="ddp data parallel beside it"):
         Config(gpus=2, tp=2, data_parallel="ddp")
-    with pytest.raises(ConfigError, match="tensor parallelism with pipeline parallelism is not supported yet"):
-        Config(gpus=2, tp=2, pp=2, grad_accum=2, data_parallel="fsdp")
+    three = Config(gpus=2, tp=2, pp=2, grad_accum=2, data_parallel="fsdp")  # (pp, shard, tp) of 8 ranks
+    with fake_process_group(three.world, rank=5):
+        mesh = device_mesh(three, cpu)
+        assert mesh.mesh_dim_names == ("pp", "shard", "tp") and mesh.mesh.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+        assert [mesh_axis(three, cpu, a).mesh.tolist() for a in ("pp", "shard", "tp")] == [[1, 5], [5, 7], [4, 5]]
+        assert data_parallel_rank(three) == 0
 
 
 class _GlobalHeads(torch.nn.Module):

@@ -195,11 +195,14 @@ class Config:
                           (self.loss_chunks > 1, "loss_chunks"), (self.precision == "fp16", "fp16 loss scaling"),
                           (self.gpus > 1 and self.data_parallel not in ("fsdp", "fsdp-no-reshard"),
                            f"{self.data_parallel} data parallel beside it (fsdp and fsdp-no-reshard are)"),
-                          (self.pp > 1 and self.tp > 1, "tensor parallelism"),
                           # torch's weight-gradient pass (stage_backward_weight) looks up each parameter's
                           # AccumulateGrad node, which FSDP2's unsharded parameters are not: KeyError on every rank
                           (self.pp_schedule == "zero-bubble" and self.gpus > 1,
-                           "fsdp data parallel beside zero-bubble")):
+                           "fsdp data parallel beside zero-bubble"),
+                          # torch's input-gradient pass (stage_backward_input) fails on the blocks' DTensor
+                          # activations: every rank raises "Failed to run stage backward input"
+                          (self.pp_schedule == "zero-bubble" and self.tp > 1,
+                           "tensor parallelism beside zero-bubble (torch's split backward fails on DTensors)")):
             if on:
                 raise ConfigError(f"{words} with {what} parallelism is not supported yet")
 

@@ -323,8 +323,9 @@ def _stage_traces(workload: Workload, config: Config, dev: Device, sizes: list[i
     schedules give a rank several), and the rank with the highest peak is the estimate (the one a budget must
     hold), every rank's figures in `stages`."""
     by_rank = []
-    for rank in range(config.pp):  # the rank's first data-parallel rank (the mesh is pipeline ranks x ranks)
-        with fake_process_group(config.world, rank=rank * config.gpus):
+    # each pipeline rank's first rank of its stage: the mesh is (pp, data parallel, tp), the pipeline outermost
+    for rank in range(config.pp):
+        with fake_process_group(config.world, rank=rank * config.gpus * config.tp):
             by_rank.append(_rank_traces(workload, config, dev, True, sizes, routing_bound))
     out = []
     for probes in zip(*by_rank):

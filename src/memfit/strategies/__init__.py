@@ -41,7 +41,7 @@ def apply_model_strategies(model: torch.nn.Module, config: Config, device: torch
     if config.base_4bit:
         apply_base_4bit(model, check_base_4bit(model), config.precision, device)
     model = cast_model(model, config)
-    model = apply_tensor_parallel(model, config, device)
+    model = apply_tensor_parallel(model, config, device, units)
     model = apply_checkpointing(replay_model_checkpointing(model), blocks,
                                 selective=config.activation_checkpoint)
     model = apply_data_parallel(model, config, device, units)

@@ -43,7 +43,7 @@ from memfit.strategies.data_parallel import device_mesh
 from memfit.torch_internals import p2p_works_hold_tensors, static_pipeline_metadata
 from memfit.workload import split_batch
 
-__all__ = ["Pipeline", "stage_blocks"]
+__all__ = ["PIPELINE_STAND_INS", "Pipeline", "stage_blocks"]
 
 
 def stage_blocks(blocks: int, stages: int, ranks: int | None = None) -> list[range]:
@@ -145,11 +145,13 @@ class Pipeline:
 
     def __init__(self, model: torch.nn.Module, loss, config: Config, device: torch.device):
         self.config, self.device = config, device
-        if config.gpus > 1:  # stages of data-parallel ranks: this rank's coordinate on the mesh's pipeline axis
+        if config.gpus > 1 or config.tp > 1:  # stages of several ranks: this rank's place on the pipeline axis
             axis = device_mesh(config, device)["pp"]
             self.rank, self.group = axis.get_local_rank(), axis.get_group()
         else:
             self.rank, self.group = dist.get_rank(), None
+        # beside tensor parallelism the hidden state is a sequence-sharded DTensor: stages pass its local shard
+        self.tp_mesh = device_mesh(config, device)["tp"] if config.tp > 1 else None
         # the looped placement torch's interleaved schedules use: rank r holds stages r, r + pp, ...
         self.indices = [self.rank + k * config.pp for k in range(config.pp_virtual)]
         self.first, self.last = self.rank == 0, self.rank == config.pp - 1
@@ -233,7 +235,7 @@ class Pipeline:
         for stage, g, blocks in zip(self.modules, self.indices, self.ranges):
             if g > 0:
                 modules[self.names[blocks.start]].register_forward_pre_hook(
-                    functools.partial(_receive, stage), with_kwargs=True, prepend=True)
+                    functools.partial(_receive, stage, self.tp_mesh), with_kwargs=True, prepend=True)
             if g < self.config.stages - 1:
                 modules[self.names[blocks.stop - 1]].register_forward_hook(_hand_off)
 
@@ -292,7 +294,7 @@ class Pipeline:
             handle.remove()
         if not seen:
             raise ConfigError("pipeline parallelism: the model's forward never ran its first repeated block")
-        out = seen[0]
+        out = _local(seen[0])
         return torch.empty(out.shape, dtype=out.dtype, device=self.device, requires_grad=True)
 
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -310,11 +312,22 @@ def _schedule(name: str):
             "zero-bubble": pp.ScheduleInterleavedZeroBubble}[name]
 
 
-def _receive(stage: _Stage, module, args, kwargs):
-    """Before a stage's first block: the hidden state it received in place of the one the model computed."""
+def _receive(stage: _Stage, tp_mesh, module, args, kwargs):
+    """Before a stage's first block: the hidden state it received in place of the one the model computed.
+    Beside tensor parallelism that is this rank's shard of the positions, made the sequence-sharded DTensor
+    the block takes (its gradient goes back as the local shard)."""
     hidden = stage.received
-    if hidden is None:  # the probe for the handoff's shape: the stand-in's zeros pass through
+    if hidden is None and tp_mesh is None:  # the probe for the handoff's shape: the stand-in's zeros pass through
         return None
+    if tp_mesh is not None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if hidden is None:  # the probe: the stand-in's zeros, of whole sequences, cut to one rank's positions
+            whole = args[0] if args else kwargs.get("hidden_states")
+            if whole is None or isinstance(whole, DTensor):
+                return None
+            hidden = whole.narrow(1, 0, whole.shape[1] // tp_mesh.size())
+        hidden = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
     if args:
         return (hidden, *args[1:]), kwargs
     if "hidden_states" in kwargs:
@@ -329,7 +342,13 @@ def _weighted_loss(out: torch.Tensor, target) -> torch.Tensor:
 
 
 def _hand_off(module, args, output):
-    raise _Handoff(output if isinstance(output, torch.Tensor) else output[0])
+    raise _Handoff(_local(output if isinstance(output, torch.Tensor) else output[0]))
+
+
+def _local(hidden: torch.Tensor) -> torch.Tensor:
+    """What a stage sends: beside tensor parallelism, the rank's shard of the sequence-sharded hidden state
+    (a view: its gradient comes back as a DTensor of the same layout), as torchtitan's stages pass it."""
+    return hidden.to_local() if hasattr(hidden, "to_local") else hidden
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
@@ -351,3 +370,6 @@ def _stand_in(model: torch.nn.Module, name: str) -> torch.nn.Module:
         raise ConfigError(f"pipeline parallelism: {name} ({type(mod).__name__}) runs before the first block and is "
                           "not an embedding: not split yet")
     return _EmbeddingStandIn(mod.embedding_dim, mod.weight.dtype)
+
+
+PIPELINE_STAND_INS = (_EmbeddingStandIn, _Elsewhere)  # what holds the place of a module another stage runs

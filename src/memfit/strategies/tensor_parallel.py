@@ -54,14 +54,16 @@ _GLOBAL_READ = re.compile(r"\bconfig\.(num_attention_heads|num_key_value_heads|h
                           r"\bself\.(hidden_size|embed_dim|all_head_size)\b")
 
 
-def apply_tensor_parallel(model: torch.nn.Module, config: Config, device: torch.device) -> torch.nn.Module:
+def apply_tensor_parallel(model: torch.nn.Module, config: Config, device: torch.device,
+                          blocks: list[str] | None = None) -> torch.nn.Module:
     """Split `model` in place over the tp ranks of the default process group (TP comes first, before
-    precision, checkpointing and data parallelism, as torchtitan orders them); unchanged for tp 1."""
+    precision, checkpointing and data parallelism, as torchtitan orders them); unchanged for tp 1. `blocks`:
+    a pipeline stage's own blocks (the stage may hold one, which `find_blocks` cannot tell from the rest)."""
     if config.tp == 1:
         return model
     from torch.distributed.tensor.parallel import parallelize_module  # imported when used
 
-    styles = tensor_parallel_plan(model, config.tp)
+    styles = tensor_parallel_plan(model, config.tp, blocks)
     parallelize_module(model, _mesh(config, device), styles)
     return model
 
@@ -78,9 +80,11 @@ def _mesh(config: Config, device: torch.device) -> DeviceMesh:
     return mesh_axis(config, device, "tp")
 
 
-def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
+def tensor_parallel_plan(model: torch.nn.Module, tp: int, blocks: list[str] | None = None) -> dict:
     """{module name: DTensor ParallelStyle} for `model` over `tp` ranks, after every check: a model that
-    cannot be split leaves with a ConfigError and untouched. Head-count attributes are made local here."""
+    cannot be split leaves with a ConfigError and untouched. Head-count attributes are made local here.
+    `blocks`: a pipeline stage's own blocks; such a stage may lack the embedding (after the first stage) or
+    the final norm and head (before the last), which stand-ins hold the place of and the plan leaves out."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -88,7 +92,7 @@ def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
     what = type(model).__name__
     matmuls, base = _matmul_plan(model)
     modules = dict(model.named_modules())
-    blocks = find_blocks(model)
+    blocks = find_blocks(model) if blocks is None else blocks
     names = {}
     for pattern, kind in matmuls.items():
         found = [n for n in modules if n.startswith(base) and fnmatch.fnmatchcase(n[len(base):], pattern)]
@@ -112,6 +116,8 @@ def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
                               f"{tp} ranks")
     embedding, head = _ends(model, modules, tp)
     final_norms = [n for n, m in (modules[base.rstrip(".")] if base else model).named_children() if _is_norm(m)]
+    if not final_norms and head is None:  # a pipeline stage before the last: its final norm is elsewhere
+        final_norms = [None]
     if len(final_norms) != 1:
         raise ConfigError(f"tensor parallel: found {len(final_norms)} norms after {what}'s blocks, not one")
     inner = {name.rsplit(".", 1)[0] for name in names}  # the attention and MLP modules
@@ -130,9 +136,12 @@ def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
         for child, m in modules[block].named_children():
             if _is_norm(m):
                 styles[f"{block}.{child}"] = SequenceParallel()
-    styles[base + final_norms[0]] = SequenceParallel()
-    styles[embedding] = RowwiseParallel(input_layouts=whole, output_layouts=seq, use_local_output=False)
-    styles[head] = ColwiseParallel(input_layouts=seq, output_layouts=whole)
+    if final_norms[0] is not None:
+        styles[base + final_norms[0]] = SequenceParallel()
+    if embedding is not None:
+        styles[embedding] = RowwiseParallel(input_layouts=whole, output_layouts=seq, use_local_output=False)
+    if head is not None:
+        styles[head] = ColwiseParallel(input_layouts=seq, output_layouts=whole)
     for parent, counts in local.items():  # every check passed: the model may change now
         for attr, n in counts.items():
             setattr(modules[parent], attr, n)
@@ -155,8 +164,10 @@ def _matmul_plan(model: torch.nn.Module) -> tuple[dict[str, str], str]:
     return dict(plan), f"{prefix}." if prefix else ""
 
 
-def _ends(model: torch.nn.Module, modules: dict, tp: int) -> tuple[str, str]:
-    """The names of the token embedding and the LM head, which must be separate weights."""
+def _ends(model: torch.nn.Module, modules: dict, tp: int) -> tuple[str | None, str | None]:
+    """The names of the token embedding and the LM head, which must be separate weights; None for one a
+    pipeline stage does not hold (a stand-in in its place)."""
+    from memfit.strategies.pipeline_parallel import PIPELINE_STAND_INS
     from memfit.workloads.gpt import GPT
 
     if isinstance(model, GPT):
@@ -164,15 +175,20 @@ def _ends(model: torch.nn.Module, modules: dict, tp: int) -> tuple[str, str]:
     else:
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(embedding, torch.nn.Embedding) or not isinstance(head, torch.nn.Linear):
+    staged = isinstance(embedding, PIPELINE_STAND_INS) or isinstance(head, PIPELINE_STAND_INS)
+    embedding, head = (None if isinstance(m, PIPELINE_STAND_INS) else m for m in (embedding, head))
+    if (not isinstance(embedding, torch.nn.Embedding) and not (staged and embedding is None)) or \
+            (not isinstance(head, torch.nn.Linear) and not (staged and head is None)):
         raise ConfigError(f"tensor parallel: {type(model).__name__} has no token embedding and Linear LM head to split")
-    if embedding.weight is head.weight:
+    if embedding is not None and head is not None and embedding.weight is head.weight:
         raise ConfigError("tensor parallel: the LM head shares the embedding's weight (tied), which the plan splits "
                           "two ways: untie them (tie_word_embeddings=False)")
-    if embedding.num_embeddings % tp or head.out_features % tp:
-        raise ConfigError(f"tensor parallel: a vocabulary of {embedding.num_embeddings} does not split over {tp} ranks")
+    for vocab in (embedding.num_embeddings if embedding is not None else 0, head.out_features if head is not None else 0):
+        if vocab % tp:
+            raise ConfigError(f"tensor parallel: a vocabulary of {vocab} does not split over {tp} ranks")
     by_module = {id(m): n for n, m in modules.items()}
-    return by_module[id(embedding)], by_module[id(head)]
+    return (by_module[id(embedding)] if embedding is not None else None,
+            by_module[id(head)] if head is not None else None)
 
 
 def _is_norm(m: torch.nn.Module) -> bool:
