@@ -1,5 +1,5 @@
-"""An estimate counted from a few traced blocks: a deep model's step traced as three shallow copies, the whole
-depth written from what one more block (or one more period of a hybrid's layer pattern) adds.
+"""An estimate counted from a few traced blocks: a deep model's step traced as three shallow copies, the
+whole depth written from what one more block (or one more period of a hybrid's layer pattern) adds.
 
 Why it is exact where it is used: a copy with one more period of blocks makes the same allocations and frees
 as the shallower one with one period's runs inserted (its forward, backward, optimizer update, state), so the
@@ -7,7 +7,7 @@ whole depth's stream is the shallowest one with those runs repeated (`streams`).
 live bytes and, replayed through `allocator`, the CUDA caching allocator's allocated and reserved peaks, which
 are not linear in depth (the cached-but-free part moves with the segments' layout). The other figures
 (categories at the peak, state, FLOPs, parameters) add up block by block. Nothing is printed unchecked: the
-third copy's own trace must give the figures its stream, written from the first two, gives, and every
+third copy's own trace must be, event for event, the stream written for it from the first two, and every
 linear figure must lie on the line through the three; else (or where it does not apply) the whole model is
 traced as before.
 """
@@ -126,7 +126,7 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
     run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     est, why, raised = run(lambda: _from_copies(workload, config, dev, plan))
     deeper = layer_plan(workload, plan.depths[0] + 1) if raised else None
-    if deeper is not None:  # rwkv's 1-block copy divides by its depth less 1: one try a block deeper
+    if deeper is not None:  # a copy its own code refuses (dividing by its depth less 1): one try deeper
         plan, tried = deeper, why
         est, why, _ = run(lambda: _from_copies(workload, config, dev, plan))
         if est is not None:
@@ -192,7 +192,10 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
         pre = [("cublas-workspace", dev.cublas_workspace_bytes)] if cuda else []
         return (streams.peak(stream),) + (allocator.simulate(pre + streams.events(stream)) if cuda else ())
 
-    got = figures(streams.repeat(first, runs, 2))
+    written = streams.repeat(first, runs, 2)
+    if streams.events(written) != streams.events(third):  # event for event, which storage each free frees
+        return None, f"the copy of {plan.depths[2]} blocks is not the first with the runs inserted twice"
+    got = figures(written)
     want = (ests[2].peak_bytes,) + ((ests[2].peak_allocated_bytes, ests[2].peak_reserved_bytes) if cuda else ())
     if got != want:
         return None, f"the third copy's figures {want} were written as {got}"
@@ -235,7 +238,8 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
                         f"{', '.join(map(str, plan.depths))} blocks traced"
                         + (f" (the layers repeat every {plan.period})" if plan.period > 1 else "")
                         + f", the whole depth written as the first with {steps} x what {plan.period} more "
-                        f"add(s), checked against the third copy's own trace; no timeline or tensor list")
+                        "add(s), checked event for event against the third copy's own trace; no timeline or "
+                        "tensor list")
     return out, ""
 
 
