@@ -58,3 +58,74 @@ def test_a_global_batch_too_small_for_the_ranks_is_planned_tensor_parallel():
     assert result.config.tp == 2 and result.config.world == 2 and result.config.global_batch == 1
     assert any("data parallelism alone does not fit (global batch 1 does not split into 2 ranks)" in n
                for n in result.notes)
+
+
+class _Traced:
+    """What a fake trace of a pipeline gives the search: each rank's peak and the stages' table."""
+
+    def __init__(self, peaks):
+        self.stages = [{"device_peak_bytes": p, "peak_bytes": p} for p in peaks]
+        self.notes = []
+
+
+def _fake_pipelines(monkeypatch, extra_on_rank_0: dict):
+    """The split search with its traces replaced: a rank holds 1 GB and 100 MB a block it keeps, rank 0 the
+    schedule's `extra_on_rank_0` more; a step is the schedule's slots of 1 s (no sends, no update)."""
+    from memfit.planner import model_parallel as mp
+    from memfit.planner.costmodel import pipeline_slots
+
+    def run(jobs, workers=None):
+        out = []
+        for job in jobs:
+            copy, cfg, _ = job.args
+            blocks = copy[1] if isinstance(copy, tuple) else 8
+            per_rank = 10**9 + 10**8 * blocks // cfg.pp
+            peaks = [per_rank + (extra_on_rank_0.get(cfg.pp_schedule, 0) if r == 0 else 0) for r in range(cfg.pp)]
+            out.append(("ok", {"peaks": peaks, "ops": None, "handoff_bytes": 0, "estimate": _Traced(peaks)}))
+        return out
+
+    monkeypatch.setattr(mp, "run_isolated_many", run)
+    monkeypatch.setattr(mp, "shallow", lambda workload, keep: ("copy", keep))
+    monkeypatch.setattr(mp, "_depth", lambda s: 8)
+    monkeypatch.setattr(mp, "_seconds", lambda s, cfg, traced, rates, speeds:
+                        pipeline_slots(cfg.pp_schedule, cfg.pp, cfg.grad_accum, cfg.pp_virtual) if cfg.pp > 1 else 99.0)
+    monkeypatch.setattr(mp, "pipeline_parts", lambda *a: (1.0, 1 / 3, 0.0))
+
+
+def _search(gpus: int, budget: int):
+    dev = get_device("h100")
+    return _Search(builtin("gpt-tiny", layers=8), 4 * gpus // 2, dev, frozenset(), budget_bytes=budget,
+                   host_bytes=None, rates=functools.cache(lambda: profile_for(dev)), gpus=gpus,
+                   activation_checkpoint="all", micro_batch=1)
+
+
+def test_the_fastest_schedule_that_fits_is_chosen_and_its_trade_said(monkeypatch):
+    """Over 2 ranks (no FSDP beside the pipeline) zero bubble's bubble is the smallest: chosen while it fits;
+    with a budget only 1F1B and interleaved 1F1B fit, interleaved 1F1B, its cost on rank 0 said."""
+    _fake_pipelines(monkeypatch, {"interleaved-1f1b": 100 * 2**20, "zero-bubble": 300 * 2**20})
+    s = _search(2, 3 * 2**30)
+    best, others, _ = model_parallel(s, "test")
+    assert (best.config.pp, best.config.pp_schedule, best.config.grad_accum) == (2, "zero-bubble", 4)
+    assert best.step_seconds == 4 + 1 / 3 / 2  # n + (p - 1) / 3 / v
+    s = _search(2, int(1.56e9 / 0.95))  # usable 1.56 GB: 1F1B's 1.4 GB and interleaved's 1.505 GB fit, not 1.71
+    best, others, verdicts = model_parallel(s, "test")
+    assert (best.config.pp, best.config.pp_schedule, best.config.pp_virtual) == (2, "interleaved-1f1b", 2)
+    assert "does not fit" in dict(verdicts)["2 ranks x 2 stages zero-bubble x 1 rank, bf16, checkpointing all"]
+    assert ("interleaved 1F1B (2 stages a rank): a bubble of 0.5 slots, 1/2 of 1F1B's 1, 1.11x 1F1B's speed "
+            "at the cost of 100 MiB more on rank 0") in s.notes[-1]  # 5 slots against 4.5
+
+
+def test_zero_bubble_is_not_tried_beside_fsdp_and_interleaved_only_at_micro_batches_torchs_rounds_divide(monkeypatch):
+    """torch's weight pass does not find FSDP2's parameters (Config refuses it); the interleaved schedules run
+    n micro-batches in max(1, n // p) rounds that must divide n."""
+    from memfit.planner.model_parallel import _options
+
+    s = _search(4, 80 * 2**30)  # 2 stages x 2 FSDP ranks, or 4 stages x 1
+    s.global_batch, s.micro_batch = 20, None
+    seen = [(c.pp, c.gpus, c.pp_schedule, c.grad_accum) for c in _options(s, 16) if c.pp > 1]
+    assert not any(schedule == "zero-bubble" and dp > 1 for _, dp, schedule, _ in seen)
+    assert (4, 1, "zero-bubble", 4) in seen and (2, 2, "interleaved-1f1b", 2) in seen
+    looped = [(pp, n) for pp, _, schedule, n in seen if schedule != "1f1b"]
+    assert looped and all(n % max(1, n // pp) == 0 for pp, n in looped)
+    # 2 ranks, 5 micro-batches: 2 rounds do not divide 5
+    assert (2, 5) not in looped and (2, 5) in [(pp, n) for pp, _, schedule, n in seen if schedule == "1f1b"]
