@@ -169,7 +169,10 @@ def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) ->
             probes = [traced.probe(_copy(workload, d), config, dev, isolate=False) for d in plan.depths]
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
         return None, f"a copy's step raised: {first_line(e)}", True
-    est, why = _extended(plan, probes, config, dev)
+    try:
+        est, why = _extended(plan, probes, config, dev)
+    except Exception as e:  # noqa: BLE001 - a stream this code cannot write: the whole model is traced instead
+        return None, f"its streams could not be written: {first_line(e)}", False
     return est, why, False
 
 
