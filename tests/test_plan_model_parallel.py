@@ -129,3 +129,39 @@ def test_zero_bubble_is_not_tried_beside_fsdp_and_interleaved_only_at_micro_batc
     assert looped and all(n % max(1, n // pp) == 0 for pp, n in looped)
     # 2 ranks, 5 micro-batches: 2 rounds do not divide 5
     assert (2, 5) not in looped and (2, 5) in [(pp, n) for pp, _, schedule, n in seen if schedule == "1f1b"]
+
+
+def test_beside_data_parallelism_the_faster_plan_is_kept_and_the_others_time_said(monkeypatch):
+    """`split_layouts="also"`: the split layout replaces a data-parallel plan that fits only where the cost
+    model says it is faster; either way the plan says the other's step time, and a split search not taken
+    leaves the data-parallel plan's notes and verdicts as they were."""
+    from memfit.planner import search
+
+    def a_plan(cfg, seconds, notes, families):
+        return search.Plan(config=cfg, device="h100", budget_bytes=1, usable_bytes=1, peak_bytes=1,
+                           step_seconds=seconds, samples_per_second=1 / seconds, estimate=None, alternatives=[],
+                           families=families, profile_source="", notes=notes)
+
+    fsdp = memfit.Config(micro_batch=1, grad_accum=1, gpus=8, data_parallel="fsdp", precision="bf16")
+    split = memfit.Config(micro_batch=1, grad_accum=2, gpus=4, data_parallel="fsdp", precision="bf16", pp=2)
+    for split_seconds, kept in ((1.0, split), (3.0, fsdp)):
+        s = _search(8, 80 * 2**30)
+        s.notes.append("the data-parallel plan's note")
+        s.verdicts.append(("fsdp, bf16", "chosen at micro-batch 1"))
+
+        def split_plan(s_, why_not, families):
+            assert why_not is None
+            s_.notes.append("the split search's note")
+            s_.verdicts.append(("a split layout", "its verdict"))
+            return a_plan(split, split_seconds, s_.notes, s_.verdicts)
+
+        monkeypatch.setattr(search, "_split_plan", split_plan)
+        got = search._faster_of(s, a_plan(fsdp, 2.0, s.notes, s.verdicts))
+        assert got.config == kept
+        if kept is split:
+            assert got.notes[-1].startswith("data parallelism alone fits (") and got.notes[-1].endswith("2.00x faster")
+            assert ("fsdp, bf16", "fits, 2.00x slower (micro-batch 1)") in got.families
+        else:
+            assert got.notes[:1] == ["the data-parallel plan's note"]
+            assert got.families == [("fsdp, bf16", "chosen at micro-batch 1")]
+            assert got.notes[-1].endswith("takes 3 s a step, 1.50x this plan's")

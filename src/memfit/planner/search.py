@@ -444,14 +444,19 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
          precision: str | None = None, micro_batch: int | None = None, activation_checkpoint=None,
          offload_activations: bool | None = None, offload_optimizer: bool | None = None,
          profile: Profile | None = None, confirm: int = 2, gpus: int = 1, data_parallel: str | None = None,
-         gpus_per_node: int | None = None, traced: dict | None = None, allow=(), host_memory=None) -> Plan:
+         gpus_per_node: int | None = None, traced: dict | None = None, allow=(), host_memory=None,
+         split_layouts: str = "fallback") -> Plan:
     """The fastest configuration for `global_batch` samples per optimizer step within `budget` (a size,
     "50%" of the device, or the whole device; per rank with `gpus`). Fixed choices are honoured; the rest is
     searched, across ranks the layout too (ddp, fsdp, fsdp-no-reshard, and hsdp over more than one node).
     `confirm`: how many of the fastest candidates get a full estimate (0: the best prediction is returned
     unconfirmed). `traced`: families traced at other GPU counts, reused and filled in (plan_counts).
     `allow`: techniques that change the math, searched with the rest when named (ALLOW); the plan labels them.
-    `host_memory`: the host memory offloading may use (a size); None: not limited (each plan says its need)."""
+    `host_memory`: the host memory offloading may use (a size); None: not limited (each plan says its need).
+    `split_layouts`: "fallback" searches the layouts that split the model (tensor parallel, pipelines) only where
+    data parallelism alone has nothing that fits or cannot split the batch over the ranks; "also" searches them
+    beside a data-parallel plan that fits too and keeps the faster (minutes more on a 70B: BENCHMARKS.md,
+    "Planning a 70B where data parallelism alone cannot use the GPUs")."""
     dev = device if isinstance(device, Device) else get_device(device)
     check_batches(global_batch, micro_batch)
     allowed = check_allow(allow)
@@ -491,11 +496,36 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             return found
     if not confirmed:
         _nothing_fits(s, families)
-    return _choose(s, families, candidates, confirmed[0])
+    chosen = _choose(s, families, candidates, confirmed[0])
+    if split_layouts == "also" and s.gpus > 1 and not s.cpu and s.data_parallel in (None, "fsdp"):
+        return _faster_of(s, chosen)
+    return chosen
 
 
-def _split_plan(s: _Search, why_not: str, families: dict) -> Plan | None:
-    """A plan of the fastest tensor-parallel or pipeline layout that fits (planner/model_parallel.py), or None."""
+def _faster_of(s: _Search, chosen: Plan) -> Plan:
+    """`chosen` (data parallel) or the fastest split layout that fits, whichever the cost model says is faster,
+    the other's step time in the notes."""
+    notes, verdicts = list(s.notes), list(s.verdicts)
+    split = _split_plan(s, None, {})
+    if split is not None and split.step_seconds < chosen.step_seconds:
+        ratio = chosen.step_seconds / split.step_seconds
+        split.notes.append(f"data parallelism alone fits ({chosen.config.describe()}: {chosen.step_seconds:.3g} s a "
+                           f"step); this layout is {ratio:.2f}x faster")
+        was = [(f, v) for f, v in verdicts if v.startswith("chosen")]  # the data-parallel family's, not chosen now
+        split.families = [(f, f"fits, {ratio:.2f}x slower (micro-batch {chosen.config.micro_batch})")
+                          if (f, v) in was else (f, v) for f, v in split.families]
+        return split
+    s.notes[:], s.verdicts[:] = notes, verdicts  # the split search's notes described a plan not taken
+    chosen.notes.append("tensor-parallel and pipeline layouts searched too: " +
+                        (f"the fastest that fits ({split.config.describe()}) takes {split.step_seconds:.3g} s a "
+                         f"step, {split.step_seconds / chosen.step_seconds:.2f}x this plan's" if split is not None
+                         else "none fits"))
+    return chosen
+
+
+def _split_plan(s: _Search, why_not: str | None, families: dict) -> Plan | None:
+    """A plan of the fastest tensor-parallel or pipeline layout that fits (planner/model_parallel.py), or None.
+    `why_not`: why data parallelism alone does not fit; None where it does (the split layouts searched beside it)."""
     found = model_parallel(s, why_not)
     if found is None:
         return None
