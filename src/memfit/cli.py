@@ -673,12 +673,12 @@ def _add_estimate_command(sub) -> None:
     p.add_argument("--html", metavar="PATH", help="the step's memory timeline as one self-contained HTML page: "
                                                   "by category and block, the peak's tensors with their source lines")
     p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
-    p.set_defaults(fn=cmd_estimate)
-
     p.add_argument("--blocks", choices=("all", "auto"), default="all",
                    help="auto: a deep model's step counted from copies of 1, 2 and 3 blocks (of its layer pattern's "
                         "period for a hybrid), checked against the third, where they hold at most half its blocks; "
                         "no timeline or tensor list then (default: all, every block traced)")
+    p.set_defaults(fn=cmd_estimate)
+
 
 def _add_plan_command(sub) -> None:
     """`memfit plan`: the search, the choices a user may fix, and what the answer is written as."""
