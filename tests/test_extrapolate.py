@@ -103,3 +103,12 @@ def test_a_copy_differing_only_in_the_order_of_what_lives_before_the_step_says_s
     assert streams.differs(stream(setup), stream(setup)) is None
     assert streams.differs(stream(setup[::-1]), stream(setup)) == "setup order"
     assert streams.differs(stream(setup[:2]), stream(setup)) == "other"
+
+
+def test_checkpointing_every_k_blocks_is_part_of_the_layer_pattern():
+    """Blocks 0, k, 2k, ... recompute their forward: copies a multiple of k apart; blocks named one by one
+    have no pattern a copy could hold."""
+    wl = _workload("llama", **dict(KINDS["llama"], num_hidden_layers=4 * LAYERS))
+    assert layer_plan(wl).period == 1
+    assert layer_plan(wl, checkpoint=3).period == 3 and layer_plan(wl, checkpoint="all").period == 1
+    assert layer_plan(wl, checkpoint=("model.layers.0",)) is None

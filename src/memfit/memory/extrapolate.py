@@ -59,11 +59,15 @@ def _kinds(model: torch.nn.Module, layers: str) -> list[tuple]:
             for b in model.get_submodule(layers)]
 
 
-def layer_plan(workload: Workload, least: int = 1) -> Plan | None:
+def layer_plan(workload: Workload, least: int = 1, checkpoint: str | int | tuple = "none") -> Plan | None:
     """The copies to trace for `workload`, or None where extrapolating does not apply: no one list of
     layers, a layer pattern with no period, or copies that would hold more than MAX_SHARE of the layers.
     The whole model is built on the meta device (no memory) to read its layers; a factory that builds fewer
-    (`with_blocks`) must build the same first layers. `least`: the fewest blocks the first copy may have."""
+    (`with_blocks`) must build the same first layers. `least`: the fewest blocks the first copy may have.
+    `checkpoint` (Config.activation_checkpoint): every k-th block checkpointed is part of the layers' pattern;
+    blocks named one by one are none (a copy would not hold them all)."""
+    if isinstance(checkpoint, tuple):
+        return None
     try:
         with torch.device("meta"):
             model = workload.model()
@@ -72,12 +76,14 @@ def layer_plan(workload: Workload, least: int = 1) -> Plan | None:
     layers = _layers(model)
     if layers is None:
         return None
-    kinds = _kinds(model, layers)
+    built = _kinds(model, layers)
+    kinds = built if not isinstance(checkpoint, int) else \
+        [(kind, i % checkpoint == 0) for i, kind in enumerate(built)]  # blocks 0, k, 2k, ... (chosen_blocks)
     n = len(kinds)
     for period, first in sorted(_starts(kinds, least), key=lambda pf: 3 * pf[1] + 3 * pf[0]):
         while 3 * first + 3 * period <= MAX_SHARE * n:  # a copy that does not build: the next one deeper
             depths = (first, first + period, first + 2 * period)
-            if _builds(workload, layers, kinds, depths):
+            if _builds(workload, layers, built, depths):
                 return Plan(n, period, depths)
             first += period
     return None
@@ -120,12 +126,13 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
         raise ConfigError(f"blocks {blocks!r}: one of {', '.join(BLOCKS)}")
     dev = device if isinstance(device, Device) else get_device(device)
     config = config or Config(precision=defaults_for(dev).precision)
-    plan = layer_plan(workload) if blocks == "auto" and config.world == 1 else None
+    ck = config.activation_checkpoint
+    plan = layer_plan(workload, checkpoint=ck) if blocks == "auto" and config.world == 1 else None
     if plan is None:
         return traced.estimate(workload, config, dev, isolate=isolate)
     run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     est, why, raised = run(lambda: _from_copies(workload, config, dev, plan))
-    deeper = layer_plan(workload, plan.depths[0] + 1) if raised else None
+    deeper = layer_plan(workload, plan.depths[0] + 1, ck) if raised else None
     if deeper is not None:  # a copy its own code refuses (dividing by its depth less 1): one try deeper
         plan, tried = deeper, why
         est, why, _ = run(lambda: _from_copies(workload, config, dev, plan))
