@@ -112,3 +112,11 @@ def test_checkpointing_every_k_blocks_is_part_of_the_layer_pattern():
     assert layer_plan(wl).period == 1
     assert layer_plan(wl, checkpoint=3).period == 3 and layer_plan(wl, checkpoint="all").period == 1
     assert layer_plan(wl, checkpoint=("model.layers.0",)) is None
+
+
+def test_per_layer_config_lists_are_part_of_the_layer_pattern():
+    """Sliding and full attention layers have the same parameters; a config's `layer_types` tells them apart."""
+    fields = dict(SMALL, intermediate_size=128, num_key_value_heads=2, num_hidden_layers=2 * LAYERS)
+    alternating = _workload("qwen2", **fields, use_sliding_window=True, sliding_window=8,
+                            layer_types=["full_attention", "sliding_attention"] * LAYERS)
+    assert layer_plan(alternating).period == 2 and layer_plan(_workload("qwen2", **fields)).period == 1

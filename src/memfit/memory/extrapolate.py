@@ -79,6 +79,7 @@ def layer_plan(workload: Workload, least: int = 1, checkpoint: str | int | tuple
     built = _kinds(model, layers)
     kinds = built if not isinstance(checkpoint, int) else \
         [(kind, i % checkpoint == 0) for i, kind in enumerate(built)]  # blocks 0, k, 2k, ... (chosen_blocks)
+    kinds = [k + tuple(each[i] for each in _per_layer(model, len(kinds))) for i, k in enumerate(kinds)]
     n = len(kinds)
     for period, first in sorted(_starts(kinds, least), key=lambda pf: 3 * pf[1] + 3 * pf[0]):
         while 3 * first + 3 * period <= MAX_SHARE * n:  # a copy that does not build: the next one deeper
@@ -101,6 +102,15 @@ def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int]]:
             first = max(start + 1, least)
             out.append((period, first + (n - first) % period))
     return out
+
+
+def _per_layer(model: torch.nn.Module, n: int) -> list[list]:
+    """A transformers config's lists of one entry per layer (Gemma's `layer_types`: sliding or full attention,
+    the same parameters): part of the layers' pattern, as `with_blocks` cuts them to a copy's depth."""
+    config = getattr(model, "config", None)
+    values = vars(config).values() if hasattr(config, "__dict__") else ()
+    plain = (str, int, float, bool, type(None))
+    return [v for v in values if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(x, plain) for x in v)]
 
 
 def _builds(workload: Workload, layers: str, kinds: list[tuple], depths: tuple[int, ...]) -> bool:
