@@ -3,12 +3,15 @@
 CPU processes joined by gloo (torch.distributed.pipelining's schedules, as `memfit train --pp` runs them).
 
     python benchmarks/pipeline_parallel.py [--stages 2,4] [--only gpt-tiny,hf-llama] [--schedules ...] [--no-deeper]
+    python benchmarks/pipeline_parallel.py --tp-rows    # only the rows with tensor parallelism, merged in
 
 Each rank is estimated as its own rank of a fake world, all its stages together (memfit.estimate traces them
 all); each real rank measures its own peak with the CPU allocator's running total (truth.rank_step_peaks). The
 interleaved schedules need pp x 2 blocks: grid rows whose model has fewer are left out, and a few rows on deeper
-gpt-tinys (6 blocks, 3 stages a rank; 8 blocks, 4 ranks of 2) follow the grid. Results:
-results/pipeline_parallel.json, rendered into BENCHMARKS.md by render.py.
+gpt-tinys (6 blocks, 3 stages a rank; 8 blocks, 4 ranks of 2) follow the grid. Then stages of tensor-parallel
+ranks (pp x tp, and pp x dp x tp on the 3-D mesh): each stage is traced as its first rank and compared with the
+lowest peak among its ranks over up to TP_RUNS runs (gloo's late frees only add); every rank's lowest is kept
+too. Results: results/pipeline_parallel.json, rendered into BENCHMARKS.md by render.py.
 """
 from __future__ import annotations
 
@@ -34,6 +37,12 @@ BLOCKS = 4  # the grid's models' repeated blocks
 # the interleaved schedules beyond the grid: 3 stages a rank, and 4 ranks of 2 (deeper gpt-tinys)
 DEEPER = [(name, pp, v, schedule, "none") for name, pp, v in (("gpt-tiny-6", 2, 3), ("gpt-tiny-8", 4, 2))
           for schedule in ("interleaved-1f1b", "zero-bubble")]
+WORKLOADS["gpt-tiny-2"] = lambda: builtin("gpt-tiny")
+# (workload, pp, data-parallel ranks, tp, schedule, checkpointing): stages of TP ranks; zero-bubble is refused
+TP_GRID = [("gpt-tiny-2", 2, 1, 2, "1f1b", "none"), ("gpt-tiny", 2, 1, 2, "1f1b", "none"),
+           ("gpt-tiny", 2, 1, 2, "gpipe", "all"), ("gpt-tiny", 2, 1, 2, "interleaved-1f1b", "none"),
+           ("gpt-tiny-2", 2, 2, 2, "1f1b", "all")]
+TP_RUNS = 4
 
 
 def main() -> None:
@@ -43,7 +52,14 @@ def main() -> None:
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble")
     ap.add_argument("--no-deeper", dest="deeper", action="store_false",
                     help="leave out the rows of 3 stages a rank and of 4 ranks of 2 stages")
+    ap.add_argument("--tp-rows", action="store_true", help="only the rows of stages of tensor-parallel ranks, "
+                    "replacing those rows in the results")
     args = ap.parse_args()
+    if args.tp_rows:
+        old = json.loads((RESULTS / "pipeline_parallel.json").read_text())
+        old["rows"] = [r for r in old["rows"] if r.get("tp", 1) == 1] + [_tp_row(*row) for row in TP_GRID]
+        (RESULTS / "pipeline_parallel.json").write_text(json.dumps(old, indent=1))
+        return
     rows = []
     grid = [(name, pp, 1 if schedule in ("gpipe", "1f1b") else 2, schedule, ck) for name, pp, schedule, ck in
             itertools.product(args.only.split(","), [int(s) for s in args.stages.split(",")],
@@ -68,6 +84,34 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], rows=rows)
     (RESULTS / "pipeline_parallel.json").write_text(json.dumps(out, indent=1))
+
+
+def _tp_row(name: str, pp: int, dp: int, tp: int, schedule: str, ck: str) -> dict:
+    """One layout of stages of TP ranks: each stage's estimate against the lowest peak among its ranks."""
+    wl = WORKLOADS[name]()
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    cfg = Config(micro_batch=2, grad_accum=2 * pp, pp=pp, pp_schedule=schedule, pp_virtual=virtual,
+                 activation_checkpoint=ck, tp=tp, gpus=dp, data_parallel="fsdp" if dp > 1 else "none")
+    start = time.perf_counter()
+    est = memfit.estimate(wl, cfg)
+    seconds = time.perf_counter() - start
+    stages, per = [s["peak_bytes"] for s in est.stages], dp * tp
+    peaks, runs = rank_step_peaks(wl, cfg, settle=True), 1
+    while runs < TP_RUNS:
+        lowest = [min(peaks[s * per:(s + 1) * per]) for s in range(pp)]
+        if all(abs(e / r - 1) <= 0.01 for e, r in zip(stages, lowest)):
+            break
+        peaks, runs = [min(a, b) for a, b in zip(peaks, rank_step_peaks(wl, cfg, settle=True))], runs + 1
+    lowest = [min(peaks[s * per:(s + 1) * per]) for s in range(pp)]
+    blocks = wl.model().cfg.layers
+    label = f"gpt-tiny ({blocks} layers), {f'dp {dp} × ' if dp > 1 else ''}tp {tp}"
+    row = dict(workload=label, stages=pp, stages_per_rank=virtual, schedule=schedule, checkpoint=ck, tp=tp, gpus=dp,
+               micro_batch=2, micro_batches=2 * pp, estimates=stages, rank_peaks=lowest, every_rank_lowest=peaks,
+               runs=runs, diff_bytes=[e - r for e, r in zip(stages, lowest)],
+               worst_error=max(abs(e / r - 1) for e, r in zip(stages, lowest)), estimate_seconds=seconds)
+    print(f"{label:30} pp={pp}x{virtual} {schedule:16} ck={ck:4} est {stages} lowest {lowest} every rank {peaks} "
+          f"diff {row['diff_bytes']} ({runs} runs, {seconds:.1f} s)", flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -81,6 +81,30 @@ def test_stages_of_data_parallel_ranks_match_their_real_ranks():
     assert est == pytest.approx(lowest(peaks), rel=0.01)
 
 
+def test_stages_of_tensor_parallel_ranks_match_their_real_ranks():
+    """Two stages of two TP ranks each (pp 2 x tp 2, the mesh's tp axis innermost), GPipe: each stage is traced
+    as its first rank and compared with the lowest peak among its ranks over up to 4 runs (gloo's late frees
+    only add), within 1% as for the 2 x 2 mesh of FSDP ranks. Measured: within 12 and 44 bytes. Under 1F1B
+    stage 0's estimate is 32 KB (one whole-sequence hidden state, 1.7%) above its lowest rank, not explained
+    yet; stage 1 within 20 bytes (benchmarks/pipeline_parallel.py --tp-rows, docs/many-gpus.md)."""
+    from truth import rank_step_peaks
+
+    wl = builtin("gpt-tiny")
+    cfg = Config(micro_batch=2, grad_accum=4, pp=2, tp=2, pp_schedule="gpipe")
+    est = [s["peak_bytes"] for s in memfit.estimate(wl, cfg).stages]
+    per = cfg.gpus * cfg.tp  # ranks a stage, neighbours on the (pp, tp) mesh
+
+    def lowest(peaks):
+        return [min(peaks[s * per:(s + 1) * per]) for s in range(cfg.pp)]
+
+    peaks = rank_step_peaks(wl, cfg, settle=True)
+    for _ in range(3):
+        if est == pytest.approx(lowest(peaks), rel=0.01):
+            break
+        peaks = [min(a, b) for a, b in zip(peaks, rank_step_peaks(wl, cfg, settle=True))]
+    assert est == pytest.approx(lowest(peaks), rel=0.01)
+
+
 def _train(config: Config, steps: int = 3, layers: int = 2):
     from torch.distributed.tensor import DTensor
 

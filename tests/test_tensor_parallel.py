@@ -189,6 +189,29 @@ def test_fsdp_over_tp_ranks_trains_as_one_process():
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_pipeline_stages_of_tp_ranks_train_as_one_process():
+    """pp 2 x tp 2 (4 ranks): each stage's TP ranks hold their shards of that stage's blocks, and the stages pass
+    each rank's shard of the sequence. One SGD step over 4 micro-batches of 2 gives one process's loss, and
+    every gradient and weight, whole, up to the reordered sums (tests/numerics.py: the split adds no terms)."""
+    from truth import on_gloo_ranks
+
+    one_loss, one = _sgd_step(lambda: builtin("gpt-tiny"), Config(micro_batch=8))
+    terms = gpt_gradient_terms(builtin("gpt-tiny").model().cfg, 8 * 64)
+    cfg = Config(micro_batch=2, grad_accum=4, pp=2, tp=2)
+    results = on_gloo_ranks(cfg.world, lambda rank: _sgd_step(lambda: builtin("gpt-tiny"), cfg))
+    split = {**results[0][1], **results[cfg.tp][1]}  # each stage's first rank: its parameters, whole
+    assert set(split) == set(one) and not set(results[0][1]) & set(results[cfg.tp][1])
+    for loss, _ in results:  # the step's loss: the last stage's, averaged over the world
+        assert loss == pytest.approx(one_loss, rel=sum_tolerance(torch.float32, terms, 1.0))
+    for name, (grad, weight) in one.items():
+        tol = sum_tolerance(torch.float32, terms, abs(grad).max())
+        torch.testing.assert_close(torch.from_numpy(split[name][0]), torch.from_numpy(grad), rtol=0, atol=tol,
+                                   msg=lambda m, n=name: f"grad {n}: {m}")
+        atol = SGD_LR * tol + EPS32 * abs(weight).max()
+        torch.testing.assert_close(torch.from_numpy(split[name][1]), torch.from_numpy(weight), rtol=0, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_the_mesh_is_built_once_in_torchtitans_order():
     """pp outermost, then the data-parallel axis, tp innermost: a rank's data-parallel share is its place on
     the shard axis, and TP's and FSDP2's meshes are one mesh's axes (FSDP2 refuses a TP mesh of another root)."""
