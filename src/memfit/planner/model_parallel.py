@@ -98,7 +98,7 @@ def model_parallel(s, why_not: str | None) -> tuple[Split, list[Split], list] | 
                    f"{_kept(best.config, k1)} and {_kept(best.config, k2)} blocks and extended to {depth}; the plan "
                    "then traced whole")
     if best.config.pp > 1:
-        s.notes.append(_pipeline_note(best, candidates, verdicts))
+        s.notes.append(_pipeline_note(best, candidates))
     if best.config.tp > 1:
         s.notes.append(f"tensor parallel over {best.config.tp} ranks of a node: every block's matmuls and its "
                        "checkpointed input split; its collectives priced on NVLink, none overlapped with compute")
@@ -223,10 +223,9 @@ def _family(cfg: Config) -> tuple:
 SCHEDULE_NAMES = {"1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B", "zero-bubble": "zero bubble"}
 
 
-def _pipeline_note(best: Split, candidates: list[Split], verdicts: list) -> str:
+def _pipeline_note(best: Split, candidates: list[Split]) -> str:
     """Why the chosen pipeline's schedule: its bubble beside 1F1B's for the same layout and micro-batches,
-    and what that costs on rank 0 (both peaks predicted from the copies, as alike as a comparison can be), or
-    that 1F1B did not fit."""
+    and what that costs on rank 0 (both peaks predicted from the copies, so alike in how they were made)."""
     cfg = best.config
     p, n, v = cfg.pp, cfg.grad_accum, cfg.pp_virtual
     stages = ", ".join(fmt_bytes(st["device_peak_bytes"] or st["peak_bytes"]) for st in best.estimate.stages)
@@ -239,16 +238,11 @@ def _pipeline_note(best: Split, candidates: list[Split], verdicts: list) -> str:
     one = pipeline_slots("1f1b", p, n) - n
     mine = pipeline_slots(cfg.pp_schedule, p, n, v, best.forward_share) - n
     why = f"{name} ({v} stages a rank): a bubble of {mine:.2g} slots, {_fraction(mine / one)} of 1F1B's {one:g}"
-    twin = next((c for c in candidates if c.config == _as_1f1b(cfg)), None)
-    if twin is not None:
-        more = best.predicted[0] - twin.predicted[0]
-        side = f"{fmt_bytes(more)} more" if more >= 0 else f"{fmt_bytes(-more)} less"
-        why += (f", {twin.predicted_seconds / best.predicted_seconds:.2f}x 1F1B's speed at the cost of {side} on "
-                f"rank 0 (both predicted from the copies)")
-    else:
-        said = next((v_ for name_, v_ in verdicts if name_ == _name(_as_1f1b(cfg))), "not tried")
-        why += f"; 1F1B at this layout: {said}"
-    return f"{why}; {held}"
+    twin = next(c for c in candidates if c.config == _as_1f1b(cfg))  # traced first: the others only where it fits
+    more = best.predicted[0] - twin.predicted[0]
+    side = f"{fmt_bytes(more)} more" if more >= 0 else f"{fmt_bytes(-more)} less"
+    return (f"{why}, {twin.predicted_seconds / best.predicted_seconds:.2f}x 1F1B's speed at the cost of {side} on "
+            f"rank 0 (both predicted from the copies); {held}")
 
 
 def _fraction(x: float) -> str:
