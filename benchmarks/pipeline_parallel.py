@@ -41,7 +41,8 @@ WORKLOADS["gpt-tiny-2"] = lambda: builtin("gpt-tiny")
 # (workload, pp, data-parallel ranks, tp, schedule, checkpointing): stages of TP ranks; zero-bubble is refused
 TP_GRID = [("gpt-tiny-2", 2, 1, 2, "1f1b", "none"), ("gpt-tiny", 2, 1, 2, "1f1b", "none"),
            ("gpt-tiny", 2, 1, 2, "gpipe", "all"), ("gpt-tiny", 2, 1, 2, "interleaved-1f1b", "none"),
-           ("gpt-tiny-2", 2, 2, 2, "1f1b", "all")]
+           ("gpt-tiny-2", 2, 2, 2, "1f1b", "all"), ("hf-llama", 2, 1, 2, "gpipe", "none"),
+           ("hf-llama", 2, 1, 2, "1f1b", "none")]
 TP_RUNS = 4
 
 
@@ -103,8 +104,8 @@ def _tp_row(name: str, pp: int, dp: int, tp: int, schedule: str, ck: str) -> dic
             break
         peaks, runs = [min(a, b) for a, b in zip(peaks, rank_step_peaks(wl, cfg, settle=True))], runs + 1
     lowest = [min(peaks[s * per:(s + 1) * per]) for s in range(pp)]
-    blocks = wl.model().cfg.layers
-    label = f"gpt-tiny ({blocks} layers), {f'dp {dp} × ' if dp > 1 else ''}tp {tp}"
+    model = {"gpt-tiny-2": "gpt-tiny (2 layers)", "gpt-tiny": "gpt-tiny (4 layers)"}.get(name, name)
+    label = f"{model}, {f'dp {dp} × ' if dp > 1 else ''}tp {tp}"
     row = dict(workload=label, stages=pp, stages_per_rank=virtual, schedule=schedule, checkpoint=ck, tp=tp, gpus=dp,
                micro_batch=2, micro_batches=2 * pp, estimates=stages, rank_peaks=lowest, every_rank_lowest=peaks,
                runs=runs, diff_bytes=[e - r for e, r in zip(stages, lowest)],
