@@ -266,5 +266,5 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
     return out, ""
 
 
-class _NotLinear(Exception):
-    pass
+class _NotLinear(MemfitError):
+    """A figure off the line through the copies: caught here, the whole model is traced instead."""

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, HostMemoryError, short_path
+from memfit.errors import ConfigError, HostMemoryError, WorkloadError, first_line, short_path
 from memfit.memory.estimate import SAFE_HOST_SHARE, estimate
 from memfit.memory.isolate import available_host_bytes, heap_frozen, host_memory_guard, run_isolated
 from memfit.memory.tracker import LiveBytes, ModuleScope
@@ -407,8 +407,6 @@ def load_handler(spec: str):
     import importlib.util
     from pathlib import Path
 
-    from memfit.errors import WorkloadError, first_line
-
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ConfigError(f"--serve {spec}: name the handler as file.py:function or module:function")
@@ -441,8 +439,6 @@ def watch_service(handler, requests: int = 20, name: str | None = None, device: 
     tensors each request leaves alive (grouped by the line that made them, with what keeps them) and the memory
     the allocator keeps after them. Tensors are followed on this thread, on `device` ("cuda" where a GPU is
     there, else "cpu")."""
-    from memfit.errors import WorkloadError, first_line
-
     if requests < SERVE_WARMUP + 3:
         raise ConfigError(f"--requests {requests}: the serving doctor needs at least {SERVE_WARMUP + 3} requests "
                           f"({SERVE_WARMUP} to warm up, then requests to compare)")
