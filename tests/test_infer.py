@@ -14,6 +14,7 @@ from memfit.cli import main  # noqa: E402
 from memfit.errors import ConfigError, PlanError  # noqa: E402
 from memfit.inference import engines, kv  # noqa: E402
 from memfit.inference.serve import infer, inverse, model_config  # noqa: E402
+from memfit.memory.devices import get_device  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 GiB = 2**30
@@ -312,3 +313,53 @@ def test_run_refuses_a_model_that_may_not_fit_the_host(monkeypatch):
     with pytest.raises(HostMemoryError, match="--run builds the model for real"):
         run._refuse_what_may_not_fit(config, 0)
     run._refuse_what_may_not_fit(run.model_config("hf:llama"), 0)  # a toy size runs
+
+
+# ------------------------------------------------------------------------ transformers sized on a GPU
+
+def test_transformers_engine_on_a_gpu_by_hand():
+    """TOY Llama in bf16 on an H100, 256 tokens a step. By hand: 551,552 parameters (embeddings and LM head 128,000
+    each, a layer 147,712, the final norm 128) at 2 bytes; a token's cache 2 layers x K,V x 2 heads x 32 x 2 B =
+    512 B, a 256-token block and sector 131,072 B; per cache token transformers reckons the keys and values read
+    back at SDPA's peak ((2 x 4 + 2) heads x 32 x 2 B = 640) and the read index (8), per sector the mask's 256 x 256
+    x 2 B. The sectors are the most that fit in 0.05 of the device beside the weights, the 500 MiB context, the
+    32 MiB cuBLAS workspace and the traced step; transformers' own default is its handler's arithmetic on 0.9 of
+    the memory free after loading."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("llama", **TOY)
+    r = infer(config, "h100", engine="transformers", gpu_memory_utilization=0.05, max_num_batched_tokens=256,
+              max_model_len=1024)
+    MiB, sector = 2**20, 131_072
+    assert r.weights_bytes == 551_552 * 2 and r.kv_bytes_per_token == 512 and r.non_torch_bytes == 500 * MiB
+    per_sector = sector + 256 * 648 + 256 * 256 * 2
+    sectors = r.num_blocks  # one model block a sector here
+    traced = r.activation_bytes - 32 * MiB - sectors * (per_sector - sector)
+    assert 0 < traced < 64 * MiB
+    fixed = r.weights_bytes + 500 * MiB + 32 * MiB + traced + 2 * sector
+    budget = int(get_device("h100").memory_bytes * 0.05)
+    assert fixed + sectors * per_sector <= budget < fixed + (sectors + 1) * per_sector
+    assert r.kv_cache_bytes == (sectors + 2) * sector and r.kv_cache_tokens == sectors * 256
+    assert r.max_concurrency == sectors / 4
+    assert r.flags == f"ContinuousBatchingConfig(num_blocks={sectors}, max_batch_tokens=256)"
+    # transformers' default: 0.9 of what mem_get_info leaves after the context and the weights, less the trash
+    # sectors, 1,024 LM head rows (128 x 2 + 1000 x 4 B), 256 batch tokens at (2 x 704 + 48) B, then masks
+    free = get_device("h100").memory_bytes - 500 * MiB - r.weights_bytes
+    rest = int(free * 0.9) - 2 * sector - 1024 * 4256 - 256 * 1456
+    s = rest // (sector + 256 * 648)
+    s -= -(-(2 * 256 * (s * 256 + 256)) // (sector + 256 * 648 + 2 * 256 * 256))
+    assert r.settings["transformers_default_num_blocks"] == s
+
+
+def test_transformers_plan_runs_for_real_and_allocates_what_it_plans(capsys):
+    """The ContinuousBatchingConfig the GPU plan prints (a sliver of an H100: a 35 MiB cache), served with
+    generate_batch on this CPU in the model's dtype: transformers allocates the cache tensor memfit planned."""
+    import json
+
+    assert main(["infer", "hf:llama", "--engine", "transformers", "--run", "--gpu-memory-utilization", "0.008",
+                 "--max-num-batched-tokens", "256", "--max-model-len", "256", "--concurrency", "2", "--context", "64",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["served"] == 2 and out["cache_bytes"] == out["planned_cache_bytes"] > 30 * 2**20
+    assert out["num_blocks"] == infer("hf:llama", "h100", engine="transformers", gpu_memory_utilization=0.008,
+                                      max_num_batched_tokens=256, max_model_len=256).num_blocks

@@ -594,7 +594,15 @@ def cmd_infer(args) -> int:
     if args.run:
         from memfit.inference.run import run_generate_batch
 
-        result = run_generate_batch(args.model, requests=args.concurrency or 4, context=args.context or 256)
+        plan = {}
+        if args.engine == "transformers":  # the GPU plan's ContinuousBatchingConfig, run in the model's dtype
+            from memfit.inference.kv import model_dtype
+            from memfit.inference.serve import infer, model_config
+
+            planned = infer(args.model, device=args.device, engine="transformers", **settings)
+            plan = dict(num_blocks=planned.num_blocks, max_batch_tokens=planned.settings["max_num_batched_tokens"],
+                        dtype=model_dtype(model_config(args.model)))
+        result = run_generate_batch(args.model, requests=args.concurrency or 4, context=args.context or 256, **plan)
         print(json.dumps(result) if args.json else result["summary"])
         return 0
     from memfit.inference.serve import infer, inverse
@@ -785,7 +793,8 @@ def _add_infer_command(sub) -> None:
                                      "or a real continuous-batching run on this CPU (--run)")
     p.add_argument("model", help="hf:path/to/config.json, a cached Hub id (hf:org/name) or a model type (hf:llama)")
     p.add_argument("--device", default="h100", help="the GPU serving it (default: %(default)s)")
-    p.add_argument("--engine", default="vllm", help="vllm (default) or transformers")
+    p.add_argument("--engine", default="vllm", help="vllm (default) or transformers (continuous batching: "
+                                                   "num_blocks and max_batch_tokens; with --run, served on this CPU)")
     p.add_argument("--max-model-len", type=int, help="longest request in tokens (default: the model's positions)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's share of the GPU (default: 0.9)")
     p.add_argument("--max-num-seqs", type=int, help="requests per step (default: vLLM's for the GPU: 1024 on 70 GiB "

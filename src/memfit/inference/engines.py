@@ -194,6 +194,11 @@ class PagedGeometry:
         """The cache tensor transformers allocates for num_blocks (two trash sectors included)."""
         return (self.sectors(num_blocks) + TRASH_SECTORS) * self.sector_bytes
 
+    def readable_tokens(self, num_blocks: int) -> int:
+        """Cache tokens a step may read back (transformers' max_tokens_read): the most any one kind's blocks hold."""
+        data = self.sectors(num_blocks) * self.sector_bytes
+        return max(data // b * self.page_tokens for b in self.block_bytes.values())
+
     def blocks_for(self, length: int) -> int:
         """Model blocks one request of `length` tokens holds (a sliding layer at most its window)."""
         bytes_needed = sum(-(-min(length, w or length) // self.page_tokens) * b
@@ -215,3 +220,44 @@ def paged_geometry(caches: list[LayerCache | None], page_tokens: int = TRANSFORM
         blocks[kind] = blocks.get(kind, 0) + c.page_bytes(page_tokens)
         windows[kind] = c.window if kind == "sliding" else None
     return PagedGeometry(page_tokens, blocks, windows)
+
+
+TRANSFORMERS_BATCH_TOKENS = 8192   # PagedAttentionMemoryHandler._default_max_batch_tokens
+TRANSFORMERS_REQUESTS = 1024       # FALLBACK_DEFAULTS["max_requests_per_batch"] (continuous_batching/initialization.py)
+
+
+def transformers_handler(config, geometry: PagedGeometry, dtype, max_batch_tokens: int, free_bytes: int,
+                         num_blocks: int | None = None):
+    """transformers' own PagedAttentionMemoryHandler (generation/continuous_batching/cache.py, 5.x) for this
+    geometry, as `generate_batch` builds it on a GPU with SDPA: its config resolved by transformers (no async
+    batching, no decode block table without flash attention; `max_memory_percent` 0.9 without logits processors),
+    the memory it measures (`total - used` from `mem_get_info`) given as `free_bytes`. Its arithmetic, used as is:
+    with num_blocks None it takes 0.9 of the free memory, subtracts the two trash sectors, the LM head rows of 1,024
+    requests (a model taking `logits_to_keep`), `max_batch_tokens` times its per-batch-token reckoning (I/O tensors
+    and the larger of the LM head and attention peaks) and the attention masks, and makes the rest sectors, each
+    costing its cache bytes plus, per cache token, the keys and values read back at the attention peak and the read
+    index."""
+    import inspect
+
+    import torch
+    import transformers
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
+
+    cb = resolve_continuous_batching_config(
+        config, transformers.ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens),
+        None, False, torch.device("cuda"))
+    share = cb.max_memory_percent
+
+    class Measured(cb_cache.PagedAttentionMemoryHandler):
+        def get_available_memory(self) -> int:
+            return int(free_bytes * share)
+
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    kinds = {"full": "full_attention", "sliding": "sliding_attention"}
+    return Measured(config=config, cb_config=cb, dtype=dtype, bytes_per_sector=geometry.sector_bytes,
+                    tokens_per_sector=max(geometry.sector_bytes // b * geometry.page_tokens
+                                          for b in geometry.block_bytes.values()),
+                    bytes_per_block=geometry.model_block_bytes,
+                    attn_types=[kinds[k] for k in geometry.block_bytes],
+                    model_supports_logits_to_keep="logits_to_keep" in inspect.signature(model_class.forward).parameters)

@@ -41,8 +41,11 @@ def _refuse_what_may_not_fit(config, cache_bytes: int) -> None:
                               "toy sizes (hf:llama)")
 
 
-def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
-    """Serve `requests` prompts of `context - 16` tokens, 16 new tokens each, with generate_batch on the CPU."""
+def run_generate_batch(model, requests: int = 4, context: int = 256, num_blocks: int | None = None,
+                       max_batch_tokens: int | None = None, dtype: str = "float32") -> dict:
+    """Serve `requests` prompts of `context - 16` tokens, 16 new tokens each, with generate_batch on the CPU; with
+    num_blocks and max_batch_tokens (a GPU plan's ContinuousBatchingConfig) those instead of memfit's CPU plan, in
+    the model's `dtype`."""
     import transformers
 
     if context <= NEW_TOKENS:
@@ -52,11 +55,14 @@ def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
     if positions and context > positions:
         raise ConfigError(f"--context {context:,} is longer than the model's {positions:,} positions")
     geometry, blocks = planned_blocks(config, requests, context)
+    if num_blocks is not None:
+        geometry, blocks = engines.paged_geometry(kv.layer_caches(config, dtype)), num_blocks
+    max_batch_tokens = max_batch_tokens or requests * context
     _refuse_what_may_not_fit(config, geometry.cache_bytes(blocks))
     torch.manual_seed(0)
-    net = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    net = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
     prompts = torch.randint(1, config.vocab_size, (requests, context - NEW_TOKENS)).tolist()
-    cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=requests * context)
+    cb = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
     generation = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                                do_sample=False, eos_token_id=None, pad_token_id=0)
     caches = []
@@ -80,7 +86,7 @@ def run_generate_batch(model, requests: int = 4, context: int = 256) -> dict:
     planned = geometry.cache_bytes(blocks)
     summary = (f"{requests} requests of {context:,} tokens on this CPU: {served} served in full in {seconds:.2f} s; "
                f"num_blocks={blocks} (ContinuousBatchingConfig(num_blocks={blocks}, max_batch_tokens="
-               f"{requests * context})): cache tensor {fmt_bytes(real)}, memfit's figure {fmt_bytes(planned)}"
+               f"{max_batch_tokens})): cache tensor {fmt_bytes(real)}, memfit's figure {fmt_bytes(planned)}"
                + (" (equal)" if real == planned else f" (differs by {real - planned:+,} B)"))
     return {"requests": requests, "context": context, "served": served, "num_blocks": blocks,
             "cache_bytes": real, "planned_cache_bytes": planned, "seconds": seconds, "summary": summary}

@@ -3,7 +3,8 @@
 For vLLM every figure is the engine's own arithmetic (engines.py) on memfit's figures: the weights counted on
 the meta device (weights.py), the profile run's activation peak traced on fake tensors (trace.py), the KV
 cache per layer kind from the config (kv.py). Non-torch memory is the one assumption: a catalogue figure, said
-in the notes.
+in the notes. For transformers' continuous batching (`_transformers`) the same weights, a traced generation step
+and transformers' own memory handler's per-cache-token reckoning (engines.transformers_handler).
 """
 from __future__ import annotations
 
@@ -98,10 +99,12 @@ def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_
     if positions and max_model_len > positions:
         raise ConfigError(f"--max-model-len {max_model_len:,} is longer than {config.model_type}'s "
                           f"{positions:,} positions; the longest it takes is --max-model-len {positions}")
-    if engine == "transformers":
-        raise ConfigError("--engine transformers is planned on this machine's CPU only so far: "
-                          "`memfit infer MODEL --engine transformers --run`")
     name = model if isinstance(model, str) else config.model_type
+    if engine == "transformers":
+        if tp != 1 or quantization != "none" or kv_cache_dtype != "auto":
+            raise ConfigError("--engine transformers is sized for one GPU, the checkpoint's dtype and its KV dtype so "
+                              "far: leave out --tp, --quantization and --kv-cache-dtype (or --engine vllm)")
+        return _transformers(name, config, dev, max_model_len, gpu_memory_utilization, max_num_batched_tokens)
     return _vllm(name, config, dev, max_model_len, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                  kv_cache_dtype, quantization, tp, block_size, release(vllm_version))
 
@@ -148,6 +151,67 @@ def _vllm(name, config, dev, max_model_len, utilization, max_num_seqs, batched, 
     return Inference(name, dev.name, "vllm", settings, weights.bytes, budget.activation, budget.non_torch,
                      budget.available, layout.tokens(num_blocks), int(kv.bytes_per_token(caches)),
                      num_blocks / per_request, num_blocks, layout.block_size, kv.describe(caches), table, flags, notes)
+
+
+def _transformers(name, config, dev, max_model_len, utilization, batched) -> Inference:
+    """transformers' continuous batching on one GPU. Weights as weights.py counts them in the model's dtype; the
+    CUDA context and cuBLAS workspace from the device catalogue (assumed); a step of `max_batch_tokens` traced on
+    fake tensors (trace.generation_step_peak); the static tensors that grow with the cache (attention masks, read
+    index) and the keys and values read back at the attention peak, per cache token, as transformers' own memory
+    handler reckons them. memfit's num_blocks is the most whose sectors fit in `utilization` of the device with all
+    that; transformers' own choice when num_blocks is not given is its handler's arithmetic on the memory free after
+    loading (engines.transformers_handler)."""
+    import torch
+
+    from memfit.inference.trace import generation_step_peak
+
+    dtype = getattr(torch, kv.model_dtype(config))
+    caches = kv.layer_caches(config)
+    geometry = engines.paged_geometry(caches)
+    batched = batched or engines.TRANSFORMERS_BATCH_TOKENS
+    weights = weight_bytes(config, engine="transformers")
+    traced = generation_step_peak(config, batched, dtype)
+    non_torch = dev.context_bytes
+    loaded = non_torch + weights.bytes
+    handler = engines.transformers_handler(config, geometry, dtype, batched, dev.memory_bytes - loaded)
+    sector, per_token = geometry.sector_bytes, handler.tokens_per_sector
+    mask_per_sector = handler.attention_mask_bytes(batched, 1) - handler.attention_mask_bytes(batched, 0)
+    per_sector = sector + per_token * handler.bytes_per_cache_token + mask_per_sector
+    fixed = loaded + dev.cublas_workspace_bytes + traced.bytes + engines.TRASH_SECTORS * sector
+    sectors = (int(dev.memory_bytes * utilization) - fixed) // per_sector
+    per_request = geometry.blocks_for(max_model_len)
+    num_blocks = max(0, sectors) * sector // geometry.model_block_bytes
+    if num_blocks < per_request:
+        raise PlanError(f"{name} on one {dev.name} at {utilization:g}: the weights ({weights.bytes / 2**30:.2f} GiB) and a "
+                        f"step of {batched:,} tokens ({traced.bytes / 2**30:.2f} GiB) leave no cache for one request of "
+                        f"{max_model_len:,} tokens; try a smaller --max-num-batched-tokens or --max-model-len, or "
+                        "--engine vllm --tp 2")
+    sectors = geometry.sectors(num_blocks)
+    grows = sectors * (per_token * handler.bytes_per_cache_token + mask_per_sector)
+    _, default_sectors = handler.infer_max_batch_tokens_and_num_sectors()
+    default_blocks = default_sectors * sector // geometry.model_block_bytes
+    default_total = fixed + default_sectors * per_sector
+    requests = min(batched, engines.TRANSFORMERS_REQUESTS)
+    notes = weights.notes + traced.notes + [
+        f"CUDA context {non_torch / 2**20:.0f} MiB and cuBLAS workspace {dev.cublas_workspace_bytes / 2**20:.0f} MiB "
+        "assumed (device catalogue)",
+        f"growing with the cache: attention masks and read index (transformers' static tensors) and the keys and values "
+        f"read back at the attention peak, {grows / 2**30:.2f} GiB, as transformers' memory handler reckons them",
+        f"transformers' own num_blocks when not given: {default_blocks:,} (0.9 of the memory free after loading, its "
+        f"handler's arithmetic), {default_total / dev.memory_bytes:.0%} of the device by memfit's count",
+        "no GPU measured: the step's peak is checked against the CPU allocator, the cache tensor against transformers' "
+        "own allocation (memfit infer --run)"]
+    settings = dict(gpu_memory_utilization=utilization, max_model_len=max_model_len, max_num_seqs=requests,
+                    max_num_batched_tokens=batched, block_size=geometry.page_tokens, kv_cache_dtype="auto",
+                    quantization="none", tensor_parallel_size=1, num_blocks=num_blocks,
+                    transformers_default_num_blocks=default_blocks)
+    flags = f"ContinuousBatchingConfig(num_blocks={num_blocks}, max_batch_tokens={batched})"
+    table = [{"context": c, "requests": num_blocks // geometry.blocks_for(c)}
+             for c in sorted({*TABLE_CONTEXTS, max_model_len}) if c <= max_model_len]
+    return Inference(name, dev.name, "transformers", settings, weights.bytes,
+                     traced.bytes + dev.cublas_workspace_bytes + grows, non_torch, geometry.cache_bytes(num_blocks),
+                     num_blocks * geometry.page_tokens, int(kv.bytes_per_token(caches)), num_blocks / per_request,
+                     num_blocks, geometry.page_tokens, kv.describe(caches), table, flags, notes)
 
 
 def _too_big(name, config, dev, budget: engines.Budget, tp: int, quantization: str) -> str:

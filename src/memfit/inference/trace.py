@@ -268,7 +268,8 @@ def generate_options(new_tokens: int) -> dict:
 
 
 def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num_blocks: int,
-                        max_batch_tokens: int | None, dtype: torch.dtype = torch.float32) -> int:
+                        max_batch_tokens: int | None, dtype: torch.dtype = torch.float32,
+                        cpu_kernels: bool = True) -> int:
     """Peak live bytes of `model.generate_batch` (greedy, every request generating all `new_tokens`) on `requests`
     prompts of `prompt` tokens with `ContinuousBatchingConfig(num_blocks, max_batch_tokens)`, weights included;
     max_batch_tokens None is transformers' default (8,192).
@@ -288,7 +289,7 @@ def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num
         with FakeBuild(mode):
             model = _build(config, dtype, "sdpa")
         model.eval()
-        tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces())
+        tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces() if cpu_kernels else None)
         tracker.track(list(model.parameters()) + list(model.buffers()))
         hints = WorkloadHints(max_prompt_length=prompt, max_generated_length=new_tokens, num_requests=requests)
         with torch.no_grad(), tracker, _ReadsAnswered():
@@ -303,6 +304,35 @@ def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num
                 processor.update_batch()
         tracker.close()
     return tracker.peak
+
+
+def generation_step_peak(config, max_batch_tokens: int, dtype: torch.dtype, max_requests: int = 1024) -> Traced:
+    """The live bytes of transformers' continuous batching on a GPU beyond its weights and its paged cache, at its
+    largest step: `max_batch_tokens` tokens over min(tokens, max_requests) requests (1,024 is transformers'
+    max_requests_per_batch), one logits row each, with SDPA. transformers' static batch tensors (inputs, outputs,
+    write/read indices, the attention masks for this run's small cache) and the step's forward, logits and sampling,
+    traced on fake tensors over the first layers only (each further one repeats one traced), CPU kernels' blocks
+    left out (a GPU's are not theirs)."""
+    from memfit.inference import engines, kv
+
+    layers = layers_to_trace(config)
+    cfg = _truncated(config, layers)
+    requests = min(max_batch_tokens, max_requests)
+    prompt = max_batch_tokens // requests
+    geometry = engines.paged_geometry(kv.layer_caches(cfg, str(dtype).replace("torch.", "")))
+    blocks = requests * geometry.blocks_for(prompt + 1)
+    peak = generate_batch_peak(cfg, requests, prompt, 1, blocks, requests * prompt, dtype, cpu_kernels=False)
+    with torch.device("meta"):
+        weights = sum(t.numel() * t.element_size() for m in [_build(cfg, dtype, "sdpa")]
+                      for t in [*m.parameters(), *m.buffers()])
+    # the static tensors that grow with the cache (attention masks, read index) are this run's small cache's here;
+    # the caller counts them for the cache it plans
+    readable = geometry.readable_tokens(blocks)
+    masks = len(geometry.block_bytes) if "sliding" in geometry.block_bytes else 1
+    grows = readable * (masks * requests * prompt * dtype.itemsize + len(geometry.block_bytes) * 8)
+    notes = [f"a step of {requests * prompt:,} tokens over {requests:,} requests traced over {layers} of "
+             f"{config.num_hidden_layers} layers, SDPA (transformers' choice without a flash-attention package)"]
+    return Traced(peak - weights - geometry.cache_bytes(blocks) - grows, layers, notes)
 
 
 def generate_batch_options(new_tokens: int):

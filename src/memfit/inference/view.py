@@ -22,9 +22,15 @@ def render(r: Inference, inverse: dict | None = None) -> Group:
     where.add_column("what", overflow="fold")
     where.add_column("bytes", justify="right", no_wrap=True)
     where.add_row("weights", fmt_bytes(r.weights_bytes))
-    where.add_row(f"profile run: {s['max_num_batched_tokens']:,} tokens over {min(s['max_num_seqs'], s['max_num_batched_tokens']):,} "
-                  "requests, logits and sampler (traced)", fmt_bytes(r.activation_bytes))
-    where.add_row("non-torch memory (assumed)", fmt_bytes(r.non_torch_bytes))
+    if r.engine == "transformers":
+        where.add_row(f"a step of {s['max_num_batched_tokens']:,} tokens over {s['max_num_seqs']:,} requests (traced), "
+                      "cuBLAS workspace, masks and reads growing with the cache", fmt_bytes(r.activation_bytes))
+        where.add_row("CUDA context (assumed)", fmt_bytes(r.non_torch_bytes))
+    else:
+        where.add_row(f"profile run: {s['max_num_batched_tokens']:,} tokens over "
+                      f"{min(s['max_num_seqs'], s['max_num_batched_tokens']):,} requests, logits and sampler (traced)",
+                      fmt_bytes(r.activation_bytes))
+        where.add_row("non-torch memory (assumed)", fmt_bytes(r.non_torch_bytes))
     where.add_row(f"KV cache: {r.num_blocks:,} blocks of {r.block_size} tokens", fmt_bytes(r.kv_cache_bytes))
     cache = Text(f"cache per token: {fmt_bytes(r.kv_bytes_per_token)} on this rank ({r.layers})")
     fits = Table(title="requests that fit at once, by context length", title_justify="left", show_edge=False)
