@@ -363,3 +363,23 @@ def test_transformers_plan_runs_for_real_and_allocates_what_it_plans(capsys):
     assert out["served"] == 2 and out["cache_bytes"] == out["planned_cache_bytes"] > 30 * 2**20
     assert out["num_blocks"] == infer("hf:llama", "h100", engine="transformers", gpu_memory_utilization=0.008,
                                       max_num_batched_tokens=256, max_model_len=256).num_blocks
+
+
+def test_multimodal_config_counts_the_vision_tower_and_projector():
+    """Gemma 3 27B's whole config (Gemma3ForConditionalGeneration, as vLLM loads it). SigLIP by hand: patch embedding
+    3 x 14 x 14 x 1152 + 1152, 4,096 positions x 1152; a layer's q, k, v, o 4 x (1152^2 + 1152), MLP 1152 x 4304 +
+    4304 and 4304 x 1152 + 1152, two LayerNorms 4 x 1152, 27 of them; the post-LayerNorm 2 x 1152; the projector
+    1152 x 5376 and its RMSNorm 1152: 423,060,336 parameters. With them the weights are within 2% of the published
+    vLLM 0.19 start-up (51.45 GiB; the text model alone was -2.2%), the KV cache (the text layers') within 10%."""
+    r = infer(model("gemma-3-27b-it"), "h100", max_model_len=8192, gpu_memory_utilization=0.95,
+              max_num_batched_tokens=8192, max_num_seqs=1024, vllm_version="0.19")
+    siglip = 3 * 14 * 14 * 1152 + 1152 + 4096 * 1152 + 27 * (4 * (1152**2 + 1152) + 1152 * 4304 + 4304
+                                                             + 4304 * 1152 + 1152 + 4 * 1152) + 2 * 1152
+    assert siglip + 1152 * 5376 + 1152 == 423_060_336
+    assert any(n.startswith("Gemma3ForConditionalGeneration: 423,060,336 parameters") for n in r.notes)
+    text = infer(model("gemma-3-27b"), "h100", max_model_len=8192, gpu_memory_utilization=0.95,
+                 max_num_batched_tokens=8192, max_num_seqs=1024, vllm_version="0.19")
+    assert r.weights_bytes - text.weights_bytes == 423_060_336 * 2
+    assert r.weights_bytes / GiB == pytest.approx(51.45, rel=0.02)
+    assert r.kv_cache_bytes / GiB == pytest.approx(19.53, rel=0.10)
+    assert r.kv_bytes_per_token == text.kv_bytes_per_token

@@ -93,7 +93,8 @@ def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_
     if dev.kind != "cuda":
         raise ConfigError(f"serving engines size their cache on a GPU; name one (--device h100), not {dev.name} "
                           "(`memfit infer --run` generates on this CPU)")
-    config = model_config(model)
+    whole = model_config(model)
+    config = whole.get_text_config()  # a multimodal config's text model: its layers hold the KV cache
     positions = getattr(config, "max_position_embeddings", None)
     max_model_len = max_model_len or positions
     if positions and max_model_len > positions:
@@ -104,9 +105,12 @@ def infer(model, device: str | Device = "h100", engine: str = "vllm", max_model_
         if tp != 1 or quantization != "none" or kv_cache_dtype != "auto":
             raise ConfigError("--engine transformers is sized for one GPU, the checkpoint's dtype and its KV dtype so "
                               "far: leave out --tp, --quantization and --kv-cache-dtype (or --engine vllm)")
+        if config is not whole:
+            raise ConfigError(f"--engine transformers sizes text models so far; {whole.model_type} is multimodal "
+                              "(--engine vllm counts its vision tower)")
         return _transformers(name, config, dev, max_model_len, gpu_memory_utilization, max_num_batched_tokens)
     return _vllm(name, config, dev, max_model_len, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-                 kv_cache_dtype, quantization, tp, block_size, release(vllm_version))
+                 kv_cache_dtype, quantization, tp, block_size, release(vllm_version), whole)
 
 
 def release(version: str) -> tuple[int, int]:
@@ -118,13 +122,13 @@ def release(version: str) -> tuple[int, int]:
 
 
 def _vllm(name, config, dev, max_model_len, utilization, max_num_seqs, batched, kv_dtype, quantization, tp,
-          block_size, version: tuple[int, int]) -> Inference:
+          block_size, version: tuple[int, int], whole=None) -> Inference:
     default_tokens, default_seqs = vllm_defaults(dev)
     batched = batched or default_tokens
     seqs = max_num_seqs or default_seqs
     caches = kv.layer_caches(config, kv_dtype, tp)
     layout = engines.vllm_layout(caches, block_size)
-    weights = weight_bytes(config, quantization, tp)
+    weights = weight_bytes(config, quantization, tp, whole=whole if whole is not config else None)
     traced = profile_peak(config, batched, min(seqs, batched), tp, version=version,
                           multiprocessors=dev.multiprocessors)
     nccl = nccl_bytes(dev, tp, "ddp", None) or 0

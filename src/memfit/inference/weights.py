@@ -76,9 +76,32 @@ def _kv_replication(config, tp: int) -> int:
     return tp // heads if heads < tp else 1
 
 
-def weight_bytes(config, quantization: str = "none", tp: int = 1, engine: str = "vllm") -> Weights:
+def beside_text(config) -> tuple[int, str]:
+    """Parameters a multimodal config's architecture holds beside its text model (Gemma 3's SigLIP vision tower and
+    projector), counted on the meta device, with the architecture's name: vLLM loads the whole model the config's
+    `architectures` names, the KV cache being the text model's only. (0, "") for a text-only config."""
+    import transformers
+
+    if config.get_text_config() is config:
+        return 0, ""
+    name = (getattr(config, "architectures", None) or [""])[0]
+    cls = getattr(transformers, name, None) or transformers.AutoModelForImageTextToText
+    with torch.device("meta"):
+        try:
+            model = cls._from_config(config, dtype=torch.bfloat16) if hasattr(cls, "_from_config") else \
+                cls.from_config(config, dtype=torch.bfloat16)
+        except Exception as e:  # noqa: BLE001 - the config's own fault, in one line
+            raise ConfigError(f"{config.model_type}: transformers cannot build {name or 'the model'} from this config "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    count = sum(p.numel() for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n)
+    return count, name or type(model).__name__
+
+
+def weight_bytes(config, quantization: str = "none", tp: int = 1, engine: str = "vllm", whole=None) -> Weights:
     """What loading the model takes on one of `tp` ranks. vLLM also keeps one rotary cos/sin table per model
-    ([max_position_embeddings, rotary dim] in the model dtype: 32 MiB for Llama 3.1's 131,072 positions)."""
+    ([max_position_embeddings, rotary dim] in the model dtype: 32 MiB for Llama 3.1's 131,072 positions). `whole`,
+    a multimodal config whose text model `config` is: its vision tower and projector too, in the model dtype
+    (not quantized), their matrices split over the ranks."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"unknown quantization {quantization!r}; memfit knows {', '.join(QUANTIZATIONS)}")
     model = meta_model(config)
@@ -97,6 +120,13 @@ def weight_bytes(config, quantization: str = "none", tp: int = 1, engine: str = 
             nbytes = share
         total += nbytes
     notes = []
+    if whole is not None:
+        extra, name = beside_text(whole)
+        if extra:
+            total += extra * element / (tp if tp > 1 else 1)
+            count += extra
+            notes.append(f"{name}: {extra:,} parameters beside the text model (vision tower and projector), loaded "
+                         "with it")
     if engine == "vllm" and (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
         width = getattr(config, "qk_rope_head_dim", None) or head_size(config)  # MLA rotates a part of each key
         rotary = int(getattr(config, "partial_rotary_factor", 1.0) * width)
