@@ -361,8 +361,6 @@ def test_transformers_plan_runs_for_real_and_allocates_what_it_plans(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["served"] == 2 and out["cache_bytes"] == out["planned_cache_bytes"] > 30 * 2**20
-    assert out["num_blocks"] == infer("hf:llama", "h100", engine="transformers", gpu_memory_utilization=0.008,
-                                      max_num_batched_tokens=256, max_model_len=256).num_blocks
 
 
 def test_multimodal_config_counts_the_vision_tower_and_projector():
@@ -383,3 +381,16 @@ def test_multimodal_config_counts_the_vision_tower_and_projector():
     assert r.weights_bytes / GiB == pytest.approx(51.45, rel=0.02)
     assert r.kv_cache_bytes / GiB == pytest.approx(19.53, rel=0.10)
     assert r.kv_bytes_per_token == text.kv_bytes_per_token
+
+
+def test_transformers_inverse_finds_the_smallest_utilization():
+    """--concurrency with --engine transformers: the utilization found holds the requests, one hundredth less does
+    not (the masks and reads that grow with transformers' cache counted per request, not as fixed memory)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("llama", **TOY)
+    answer = inverse(config, 2000, 2048, device="h100", engine="transformers", max_num_batched_tokens=256)
+    u = answer["gpu_memory_utilization"]
+    assert answer["inference"].max_concurrency >= 2000 and answer["gpu_memory_utilization"] > 0.05
+    assert infer(config, "h100", engine="transformers", gpu_memory_utilization=u - 0.01, max_num_batched_tokens=256,
+                 max_model_len=2048).max_concurrency < 2000

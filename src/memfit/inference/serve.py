@@ -208,7 +208,7 @@ def _transformers(name, config, dev, max_model_len, utilization, batched) -> Inf
     settings = dict(gpu_memory_utilization=utilization, max_model_len=max_model_len, max_num_seqs=requests,
                     max_num_batched_tokens=batched, block_size=geometry.page_tokens, kv_cache_dtype="auto",
                     quantization="none", tensor_parallel_size=1, num_blocks=num_blocks,
-                    transformers_default_num_blocks=default_blocks)
+                    transformers_default_num_blocks=default_blocks, cache_growing_bytes=grows)
     flags = f"ContinuousBatchingConfig(num_blocks={num_blocks}, max_batch_tokens={batched})"
     table = [{"context": c, "requests": num_blocks // geometry.blocks_for(c)}
              for c in sorted({*TABLE_CONTEXTS, max_model_len}) if c <= max_model_len]
@@ -250,9 +250,10 @@ def inverse(model, concurrency: int, context: int, device: str | Device = "h100"
                 raise
             last = e
             continue
-        per_request = full.kv_cache_bytes / full.max_concurrency if full.max_concurrency else float("inf")
+        grows = full.settings.get("cache_growing_bytes", 0)  # transformers' tensors that scale with its cache
+        per_request = (full.kv_cache_bytes + grows) / full.max_concurrency if full.max_concurrency else float("inf")
         cache = per_request * concurrency
-        fixed = full.weights_bytes + full.activation_bytes + full.non_torch_bytes
+        fixed = full.weights_bytes + full.activation_bytes - grows + full.non_torch_bytes
         total = get_device(device).memory_bytes if not isinstance(device, Device) else device.memory_bytes
         utilization = -(-int(100 * (fixed + cache)) // total) / 100
         if utilization <= 1:
