@@ -269,7 +269,7 @@ def generate_options(new_tokens: int) -> dict:
 
 def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num_blocks: int,
                         max_batch_tokens: int | None, dtype: torch.dtype = torch.float32,
-                        cpu_kernels: bool = True) -> int:
+                        cpu_kernels: bool = True, attention: str = "sdpa") -> int:
     """Peak live bytes of `model.generate_batch` (greedy, every request generating all `new_tokens`) on `requests`
     prompts of `prompt` tokens with `ContinuousBatchingConfig(num_blocks, max_batch_tokens)`, weights included;
     max_batch_tokens None is transformers' default (8,192).
@@ -287,7 +287,7 @@ def generate_batch_peak(config, requests: int, prompt: int, new_tokens: int, num
     mode = new_fake_mode()
     with mode, quiet_fake_errors(), _quiet_transformers():
         with FakeBuild(mode):
-            model = _build(config, dtype, "sdpa")
+            model = _build(config, dtype, attention)
         model.eval()
         tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces() if cpu_kernels else None)
         tracker.track(list(model.parameters()) + list(model.buffers()))
@@ -321,9 +321,18 @@ def generation_step_peak(config, max_batch_tokens: int, dtype: torch.dtype, max_
     prompt = max_batch_tokens // requests
     geometry = engines.paged_geometry(kv.layer_caches(cfg, str(dtype).replace("torch.", "")))
     blocks = requests * geometry.blocks_for(prompt + 1)
-    peak = generate_batch_peak(cfg, requests, prompt, 1, blocks, requests * prompt, dtype, cpu_kernels=False)
+    attention = "sdpa" if _supports_sdpa(config) else "eager"  # transformers then serves it with paged|eager
+    from unittest import mock
+
+    from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
+
+    # fake tensors take no memory: transformers' check of its footprint against this machine's free memory would
+    # refuse a GPU-sized step on a small host
+    with mock.patch.object(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 1 << 62):
+        peak = generate_batch_peak(cfg, requests, prompt, 1, blocks, requests * prompt, dtype, cpu_kernels=False,
+                                   attention=attention)
     with torch.device("meta"):
-        weights = sum(t.numel() * t.element_size() for m in [_build(cfg, dtype, "sdpa")]
+        weights = sum(t.numel() * t.element_size() for m in [_build(cfg, dtype, attention)]
                       for t in [*m.parameters(), *m.buffers()])
     # the static tensors that grow with the cache (attention masks, read index) are this run's small cache's here;
     # the caller counts them for the cache it plans
@@ -331,8 +340,15 @@ def generation_step_peak(config, max_batch_tokens: int, dtype: torch.dtype, max_
     masks = len(geometry.block_bytes) if "sliding" in geometry.block_bytes else 1
     grows = readable * (masks * requests * prompt * dtype.itemsize + len(geometry.block_bytes) * 8)
     notes = [f"a step of {requests * prompt:,} tokens over {requests:,} requests traced over {layers} of "
-             f"{config.num_hidden_layers} layers, SDPA (transformers' choice without a flash-attention package)"]
+             f"{config.num_hidden_layers} layers, " + ("SDPA (transformers' choice without a flash-attention package)"
+             if attention == "sdpa" else "paged eager attention (the model has no SDPA path)")]
     return Traced(peak - weights - geometry.cache_bytes(blocks) - grows, layers, notes)
+
+
+def _supports_sdpa(config) -> bool:
+    import transformers
+
+    return getattr(transformers.AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True)
 
 
 def generate_batch_options(new_tokens: int):
