@@ -83,9 +83,9 @@ def main() -> None:
               f"{p.peak_bytes / 2**30:.1f} GiB, {p.step_seconds:.2f} s a step (planned in {seconds:.0f} s)", flush=True)
         for n in p.notes:
             print("  -", n, flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], rows=rows)
-    (RESULTS / "plan_model_parallel.json").write_text(json.dumps(out, indent=1))
+        RESULTS.mkdir(exist_ok=True)  # after each row: a long case cut short keeps the others
+        out = dict(date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], rows=rows)
+        (RESULTS / "plan_model_parallel.json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
