@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 import torch
@@ -25,7 +26,7 @@ from memfit.memory import allocator, estimate as traced, streams
 from memfit.memory.copies import shallow
 from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.estimate import CATEGORIES, Estimate
-from memfit.memory.isolate import run_isolated
+from memfit.memory.isolate import run_isolated_many
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.workload import Workload
 
@@ -140,12 +141,12 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
     plan = layer_plan(workload, checkpoint=ck) if blocks == "auto" and config.world == 1 else None
     if plan is None:
         return traced.estimate(workload, config, dev, isolate=isolate)
-    run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
-    est, why, raised = run(lambda: _from_copies(workload, config, dev, plan))
+    isolate = isolate and hasattr(os, "fork")
+    est, why, raised = _from_copies(workload, config, dev, plan, isolate)
     deeper = layer_plan(workload, plan.depths[0] + 1, ck) if raised else None
     if deeper is not None:  # a copy its own code refuses (dividing by its depth less 1): one try deeper
         plan, tried = deeper, why
-        est, why, _ = run(lambda: _from_copies(workload, config, dev, plan))
+        est, why, _ = _from_copies(workload, config, dev, plan, isolate)
         if est is not None:
             est.notes.append(f"copies one block shallower were tried first: {tried}")
     if est is not None:
@@ -178,12 +179,31 @@ def _keeping_streams():
 _LINEAR = ("peak_bytes", "flops", "recompute_flops", "parameters", "moved_bytes", "host_peak_bytes")
 
 
-def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan) -> tuple[Estimate | None, str, bool]:
+def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool) -> list:
+    """The copies' probes, with their streams. Isolated, each copy is traced in its own forked child, the
+    deepest and the shallowest first, as many at a time as there are cores (fake tracing is one core's Python):
+    on two cores the three take about as long as the deepest alone."""
+    def one(depth: int):
+        with _keeping_streams():
+            return traced.probe(_copy(workload, depth), config, dev, isolate=False)
+
+    if not isolate:
+        return [one(d) for d in plan.depths]
+    order = [len(plan.depths) - 1, *range(len(plan.depths) - 1)]
+    done = run_isolated_many([functools.partial(one, plan.depths[i]) for i in order])
+    for kind, value in done:
+        if kind == "error":
+            raise value
+    by_depth = dict(zip(order, (value for _, value in done)))
+    return [by_depth[i] for i in range(len(plan.depths))]
+
+
+def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan,
+                 isolate: bool) -> tuple[Estimate | None, str, bool]:
     """(the whole depth's estimate, "", False) from the three copies, or (None, why not, whether a copy's step
     raised)."""
     try:
-        with _keeping_streams():
-            probes = [traced.probe(_copy(workload, d), config, dev, isolate=False) for d in plan.depths]
+        probes = _probes(workload, config, dev, plan, isolate)
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
         return None, f"a copy's step raised: {first_line(e)}", True
     try:
