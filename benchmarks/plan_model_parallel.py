@@ -61,7 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--cases", default="64:32,512:64")
-    ap.add_argument("--beside", default="512:512")
+    ap.add_argument("--beside", default="", help="GPUs:global batch cases planned with split_layouts='also' "
+                    "(512:512 took 28 min here)")
     args = ap.parse_args()
     rows = []
     runs = [(case, "fallback") for case in args.cases.split(",") if case]
