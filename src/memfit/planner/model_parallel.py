@@ -1,5 +1,6 @@
 """Layouts that split the model, for a plan across ranks, searched when data parallelism alone has nothing
-that fits.
+that fits (or, asked with `plan(split_layouts="also")`, beside a data-parallel plan that fits: on a 70B over 512
+H100s that took 28 min here and found nothing faster, BENCHMARKS.md).
 
 FSDP shards weights, gradients and optimizer state, but every rank still runs every block on its whole
 micro-batch: at a long sequence one rank's activations (each block's checkpointed input, a block's working
