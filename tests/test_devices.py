@@ -166,6 +166,7 @@ def test_cuda_without_a_gpu_says_what_to_do():
 class _Props:
     def __init__(self, name, total_memory, major, minor):
         self.name, self.total_memory, self.major, self.minor = name, total_memory, major, minor
+        self.multi_processor_count = 77
 
 
 @pytest.mark.parametrize("gpu_name, cc, match", [
@@ -190,6 +191,7 @@ def test_present_gpu_borrows_catalogue_figures(monkeypatch, gpu_name, cc, match)
     assert dev.memory_bytes == 12345 * MiB and dev.compute_capability == cc
     assert dev.bf16 == (cc >= (8, 0))
     assert dev.cublas_workspace_bytes == devices.cublas_workspace_bytes(cc)
+    assert dev.multiprocessors == 77  # the GPU's own count, which sizes vLLM's sampler scratch
     if match is None:
         assert dev.peak_flops == {} and dev.memory_bandwidth == 0.0
     else:
