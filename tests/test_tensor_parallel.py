@@ -180,13 +180,7 @@ def test_fsdp_over_tp_ranks_trains_as_one_process():
     results = on_gloo_ranks(4, lambda rank: _two_d_sgd(_two_d()))
     for loss, split in results:  # the step's loss is averaged over the ranks
         assert loss == pytest.approx(one_loss, rel=sum_tolerance(torch.float32, terms, 1.0))
-        for name, (grad, weight) in one.items():
-            tol = sum_tolerance(torch.float32, terms, abs(grad).max())
-            torch.testing.assert_close(torch.from_numpy(split[name][0]), torch.from_numpy(grad), rtol=0, atol=tol,
-                                       msg=lambda m, n=name: f"grad {n}: {m}")
-            atol = SGD_LR * tol + EPS32 * abs(weight).max()
-            torch.testing.assert_close(torch.from_numpy(split[name][1]), torch.from_numpy(weight), rtol=0, atol=atol,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+        _like_one_process(split, one, terms)
 
 
 def test_pipeline_stages_of_tp_ranks_train_as_one_process():
@@ -203,6 +197,12 @@ def test_pipeline_stages_of_tp_ranks_train_as_one_process():
     assert set(split) == set(one) and not set(results[0][1]) & set(results[cfg.tp][1])
     for loss, _ in results:  # the step's loss: the last stage's, averaged over the world
         assert loss == pytest.approx(one_loss, rel=sum_tolerance(torch.float32, terms, 1.0))
+    _like_one_process(split, one, terms)
+
+
+def _like_one_process(split: dict, one: dict, terms: int) -> None:
+    """Every gradient and weight of a split run, whole, equals one process's up to the reordered fp32 sums of
+    `terms` terms (one SGD step: a weight moves by the learning rate times its gradient's error)."""
     for name, (grad, weight) in one.items():
         tol = sum_tolerance(torch.float32, terms, abs(grad).max())
         torch.testing.assert_close(torch.from_numpy(split[name][0]), torch.from_numpy(grad), rtol=0, atol=tol,
