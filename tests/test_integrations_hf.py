@@ -125,7 +125,7 @@ def test_what_is_not_modelled_is_one_clear_line_and_no_plan(tmp_path):
     deepspeed = _args(tmp_path)
     deepspeed.deepspeed = {"zero_optimization": {"stage": 2}}  # as built where DeepSpeed is installed (not here)
     for args, words in [(deepspeed, "DeepSpeed"), (_args(tmp_path, torch_compile=True), "torch_compile"),
-                        (_args(tmp_path, optim="lion_8bit"), "optim='lion_8bit'"),
+                        (_args(tmp_path, optim="ademamix_8bit"), "optim='ademamix_8bit'"),
                         (_args(tmp_path, label_smoothing_factor=0.1), "label_smoothing_factor")]:
         with pytest.raises(ConfigError, match=words) as e:
             fit_training_args(make(), args, seq_len=SEQ, device="cpu", budget="1GiB")
@@ -327,16 +327,56 @@ def test_bitsandbytes_8bit_states_are_laid_out_as_under_trainer(tmp_path):
         assert est.phase_peaks["optimizer"] < est.peak_bytes
 
 
+def test_bitsandbytes_paged_states_are_unified_memory_outside_the_allocator(tmp_path):
+    """The paged optimizers under Trainer for an H100, on the same toy Llama: bitsandbytes makes a state of a
+    parameter of 100,000 elements or more with cudaMallocManaged, so here the embedding's and the output head's
+    (128,000 elements each) leave PyTorch's allocator; every other state, and every absmax, stays. By hand:
+    paged_adamw_8bit pages the embedding's two fp32 states (registered for 32 bits) and the head's two uint8
+    ones; paged_adamw_32bit both matrices' two fp32 states (a 32-bit optimizer registers nothing, keeps no
+    maps); paged_lion_8bit one state of each, one map. The allocator's peak is the unpaged optimizer's less
+    exactly those bytes (each a multiple of 512); they are host memory, and the GPU's figure holds the largest
+    parameter's on top of the reserved pool, prefetched for its update."""
+    make, _ = _maker("llama")
+    embedding, head, norms = 1000 * 128, 1000 * 128, 5 * 128
+    layers = 2 * (128 * 128 + 2 * 64 * 128 + 128 * 128 + 3 * 256 * 128)
+    small = layers + norms  # all under 100,000 elements: never paged
+
+    def eight_bit(n, states):  # uint8 states and one fp32 absmax per 256 elements, each state
+        return states * (n + 4 * (n // 256))
+
+    cases = {  # optim: (the same unpaged, managed bytes, the largest parameter's, states in the allocator)
+        "paged_adamw_8bit": ("adamw_bnb_8bit", 2 * 4 * embedding + 2 * head, 2 * 4 * embedding,
+                             2 * 4 * norms + eight_bit(layers, 2) + 2 * 4 * (head // 256) + 2 * 256 * 4),
+        "paged_adamw_32bit": (None, 2 * 4 * (embedding + head), 2 * 4 * embedding, 2 * 4 * small),
+        "paged_lion_8bit": ("lion_8bit", 4 * embedding + head, 4 * embedding,
+                            4 * norms + eight_bit(layers, 1) + 4 * (head // 256) + 256 * 4),
+    }
+    estimates = {optim: estimate_training_args(make(), _args(tmp_path, optim=optim), seq_len=SEQ, device="h100")
+                 for optim in [*cases, "adamw_bnb_8bit", "lion_8bit"]}
+    for optim, (unpaged, managed, largest, allocated) in cases.items():
+        est = estimates[optim]
+        assert est.model_state_bytes[Category.OPTIMIZER_STATE] == allocated, optim
+        assert est.host_peak_bytes == managed, optim
+        assert est.device_peak_bytes - est.peak_reserved_bytes == largest + (
+            estimates["adamw_bnb_8bit"].device_peak_bytes - estimates["adamw_bnb_8bit"].peak_reserved_bytes), optim
+        if unpaged is not None:
+            assert est.peak_allocated_bytes == estimates[unpaged].peak_allocated_bytes - managed, optim
+            assert estimates[unpaged].model_state_bytes[Category.OPTIMIZER_STATE] == allocated + managed, optim
+        assert "CUDA unified memory" in est.notes[-2] and "not checked on a GPU" in est.notes[-2], optim
+
+
 def test_fit_with_bitsandbytes_8bit_returns_arguments_whose_estimate_is_the_plans(tmp_path):
-    """A plan for adamw_bnb_8bit keeps bitsandbytes' layout in every estimate it makes (not memfit's own 8-bit
-    states, which its Config's `optimizer_8bit` would otherwise select), so the arguments it returns estimate
-    to its figure exactly; a plan that switched AdamW to 8 bits (`allow=("8bit-optim",)`) returns that optim."""
+    """A plan for paged_adamw_8bit keeps bitsandbytes' layout and its paging in every estimate it makes (not
+    memfit's own paged 8-bit states, which its Config's `optimizer_8bit` and `paged_optimizer` would otherwise
+    select), so the arguments it returns estimate to its figure exactly, the prefetched state included; a plan
+    that switched AdamW to 8 bits (`allow=("8bit-optim",)`) returns that optim."""
     from memfit.integrations.transformers import _arguments
 
     make, _ = _maker("llama")
-    user = _args(tmp_path, optim="adamw_bnb_8bit", per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    user = _args(tmp_path, optim="paged_adamw_8bit", per_device_train_batch_size=4, gradient_accumulation_steps=2)
     args, plan = fit_training_args(make(), user, seq_len=SEQ, device="h100", budget="600MiB")
-    assert plan.config.optimizer_8bit and args.optim == "adamw_bnb_8bit"
+    assert plan.config.optimizer_8bit and plan.config.paged_optimizer and args.optim == "paged_adamw_8bit"
+    assert config_of(user) == Config(micro_batch=4, grad_accum=2, optimizer_8bit=True, paged_optimizer=True)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8
     assert estimate_training_args(make(), args, seq_len=SEQ, device="h100").device_peak_bytes == plan.peak_bytes
     switched = _arguments(Config(micro_batch=4, grad_accum=2, optimizer_8bit=True), _args(tmp_path))
@@ -345,10 +385,9 @@ def test_fit_with_bitsandbytes_8bit_returns_arguments_whose_estimate_is_the_plan
 
 def test_what_8bit_optimizers_trainer_runs_unmodelled_is_refused_in_one_line(tmp_path):
     make, _ = _maker("llama")
-    cases = [(_args(tmp_path, optim="paged_adamw_8bit"), "h100", (), "CUDA unified memory"),
-             (_args(tmp_path, optim="paged_adamw_32bit"), "h100", (), "CUDA unified memory"),
-             (_args(tmp_path, optim="adamw_bnb_8bit"), "cpu", (), "on a CPU"),
-             (_fsdp(tmp_path, optim="adamw_bnb_8bit"), "h100", (), "fsdp with bitsandbytes' 8-bit states"),
+    cases = [(_args(tmp_path, optim="adamw_bnb_8bit"), "cpu", (), "on a CPU"),
+             (_args(tmp_path, optim="paged_lion_32bit"), "cpu", (), "on a CPU"),
+             (_fsdp(tmp_path, optim="paged_adamw_8bit"), "h100", (), "fsdp with bitsandbytes' optimizer states"),
              (_args(tmp_path), "cpu", ("8bit-optim",), "cannot allow 8bit-optim for Trainer on a CPU"),
              (_args(tmp_path, optim="sgd"), "h100", ("8bit-optim",), "cannot allow 8bit-optim for Trainer with optim"),
              (_args(tmp_path), "h100", ("paged-optim",), "cannot allow paged-optim for Trainer")]

@@ -50,9 +50,16 @@ MISSING = "transformers is not installed: pip install 'memfit[hf]'"
 # args.optim values whose optimizer memfit builds as Trainer does (transformers' own handler); the rest of
 # OptimizerNames (GaLore, APOLLO, LOMO, bitsandbytes, torchao, schedule-free, ...) are refused
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adafactor", "sgd")
-# bitsandbytes' AdamW with 8-bit states, as transformers builds it for these names (not paged); its states are
-# laid out by `BitsAndBytesAdamW`, for a GPU
-BNB_8BIT = ("adamw_bnb_8bit", "adamw_8bit")
+# bitsandbytes' optimizers as transformers builds them for these names (`_get_bitsandbytes_optimizer`): AdamW
+# keeps two states, Lion one; "8bit" in the name keeps them in 8 bits, else fp32; "paged" in it pages the large
+# ones. Their states are laid out by `BitsAndBytesAdamW` / `BitsAndBytesLion`, for a GPU
+BNB = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "lion_32bit",
+       "paged_lion_8bit", "paged_lion_32bit")
+BNB_8BIT = tuple(name for name in BNB if "8bit" in name)
+BNB_PAGED = tuple(name for name in BNB if "paged" in name)
+# bitsandbytes 0.50 (`Optimizer8bit.get_state_buffer`): a paged optimizer puts a state of a parameter with this
+# many elements or more in CUDA unified memory (`cudaMallocManaged`), a smaller one in PyTorch's allocator
+PAGED_MIN = 100_000
 # what `allow` may name: the precisions a plan may switch to (they change the math, as memfit plan --allow)
 PRECISIONS = {"bf16": "bf16", "fp16": "fp16"}
 
@@ -182,10 +189,14 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
         decay = set(transformers.Trainer.get_decay_parameter_names(None, built[0]))
         groups = [{"params": [p for n, p in names.items() if id(p) in wanted and p.requires_grad and (n in decay) == d],
                    "weight_decay": args.weight_decay if d else 0.0} for d in (True, False)]
-        if optim in BNB_8BIT:  # Trainer then registers every nn.Embedding's weight for 32-bit states
-            embeddings = {id(m.weight) for m in built[0].modules() if isinstance(m, torch.nn.Embedding)}
-            return BitsAndBytesAdamW(groups, embeddings, lr=args.learning_rate, eps=args.adam_epsilon,
-                                     betas=(args.adam_beta1, args.adam_beta2))
+        if optim in BNB:  # with 8-bit states Trainer registers every nn.Embedding's weight for 32-bit ones
+            fp32 = {id(m.weight) for m in built[0].modules() if isinstance(m, torch.nn.Embedding)} \
+                if optim in BNB_8BIT else set()
+            layout = dict(fp32=fp32, bits=8 if optim in BNB_8BIT else 32, paged=optim in BNB_PAGED,
+                          lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2))
+            if "lion" in optim:
+                return BitsAndBytesLion(groups, **layout)
+            return BitsAndBytesAdamW(groups, eps=args.adam_epsilon, **layout)
         cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, built[0])
         return cls(groups, **kwargs)
 
@@ -211,22 +222,25 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
                     max_grad_norm=clip)
 
 
-class BitsAndBytesAdamW(torch.optim.AdamW):
-    """The optimizer states of bitsandbytes' AdamW with `optim_bits=8` as Trainer makes it (`adamw_bnb_8bit`),
-    for an estimate of a GPU step; it updates nothing. Laid out as bitsandbytes 0.50 lays them out
-    (`Optimizer2State.init_state`): a parameter of 4,096 elements or more (`min_8bit_size`, every shape, 1-D
-    too) keeps two uint8 states of its own shape and two fp32 absmax vectors, one value per 256 elements of
-    the flattened tensor (the last block shorter), and shares the two 256-value fp32 quantization maps made
-    once on the device; a smaller one, or one registered for 32 bits (Trainer registers every nn.Embedding's
-    weight with `GlobalOptimManager.register_module_override`, listed in `fp32`), keeps two fp32 states. The
-    step count is a Python int. The update is bitsandbytes' fused CUDA kernel, in place, allocating nothing,
-    so the stand-in allocates nothing either (on a CPU bitsandbytes updates with whole fp32 copies instead:
-    refused there). memfit's own `Adam8bit` is another layout: blocks along rows, 1-D tensors in fp32. An AdamW
-    to the planner, whose advice on what else may fit rebuilds AdamW with memfit's states."""
+class _BitsAndBytesStates:
+    """The optimizer states of a bitsandbytes optimizer as Trainer makes it, for an estimate of a GPU step; it
+    updates nothing. Laid out as bitsandbytes 0.50 lays them out (`Optimizer2State` / `Optimizer1State.init_state`,
+    `STATES` states a parameter): with 8 bits, a parameter of 4,096 elements or more (`min_8bit_size`, every shape,
+    1-D too) keeps uint8 states of its own shape and an fp32 absmax vector each, one value per 256 elements of the
+    flattened tensor (the last block shorter), and the 256-value fp32 quantization maps (one a state) are made
+    once on the device; a smaller parameter, one registered for 32 bits (Trainer registers every nn.Embedding's
+    weight with `GlobalOptimManager.register_module_override`, listed in `fp32`) and every parameter of a 32-bit
+    optimizer keep fp32 states. Paged, a state of a parameter of `PAGED_MIN` elements or more is made with
+    `cudaMallocManaged`, outside PyTorch's allocator: the stand-in leaves it out of the trace, and
+    `managed_bytes` counts it (`_with_paged`); its absmax stays in the allocator. The step count is a Python int.
+    The update is bitsandbytes' fused CUDA kernel, in place, allocating nothing, so the stand-in allocates
+    nothing either (on a CPU bitsandbytes updates through its PyTorch fallback instead: refused there)."""
 
-    def __init__(self, params, fp32: set[int], **defaults):
+    STATES = 2
+
+    def __init__(self, params, fp32: set[int], bits: int, paged: bool, **defaults):
         torch.optim.Optimizer.__init__(self, params, {"weight_decay": 0.0, **defaults})
-        self.fp32, self.maps = fp32, None
+        self.fp32, self.bits, self.paged, self.maps = fp32, bits, paged, None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -243,20 +257,49 @@ class BitsAndBytesAdamW(torch.optim.AdamW):
                 self.state[p]["step"] += 1
         return loss
 
+    def layout(self, p: torch.Tensor) -> list[tuple[str, int, torch.dtype, bool]]:
+        """(key, elements, dtype, in unified memory) of each state tensor bitsandbytes keeps for `p`, the shared
+        quantization maps apart."""
+        n = p.numel()
+        eight = self.bits == 8 and id(p) not in self.fp32 and n >= MIN_SIZE
+        managed = self.paged and n >= PAGED_MIN
+        states = range(1, self.STATES + 1)
+        out = [(f"state{i}", n, torch.uint8 if eight else torch.float32, managed) for i in states]
+        return out + [(f"absmax{i}", -(-n // BLOCK), torch.float32, False) for i in states if eight]
+
+    def managed_bytes(self) -> list[int]:
+        """Each trainable parameter's state bytes in CUDA unified memory (none unless paged), in group order."""
+        return [sum(n * dtype.itemsize for _, n, dtype, managed in self.layout(p) if managed)
+                for group in self.param_groups for p in group["params"]]
+
     def _make_state(self, p: torch.Tensor) -> None:
         state = self.state[p]
         state["step"] = 0
-        if id(p) in self.fp32 or p.numel() < MIN_SIZE:
-            state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-            state["state2"] = torch.zeros_like(p, dtype=torch.float32)
-            return
-        if self.maps is None:
-            self.maps = tuple(torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(2))
-        blocks = -(-p.numel() // BLOCK)
-        for i, qmap in zip((1, 2), self.maps):
-            state[f"state{i}"] = torch.zeros_like(p, dtype=torch.uint8)
-            state[f"qmap{i}"] = qmap
-            state[f"absmax{i}"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        layout = self.layout(p)
+        eight = layout[0][2] == torch.uint8
+        if eight and self.maps is None:  # moved to the device by the first 8-bit parameter, paged or not
+            self.maps = tuple(torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(self.STATES))
+        for key, n, dtype, managed in layout:
+            if managed:  # cudaMallocManaged's pages: no PyTorch tensor on the device (`_with_paged`)
+                continue
+            state[key] = torch.zeros(p.shape if key.startswith("state") else (n,), dtype=dtype, device=p.device)
+        for i in range(1, self.STATES + 1 if eight else 1):
+            state[f"qmap{i}"] = self.maps[i - 1]
+
+
+class BitsAndBytesAdamW(_BitsAndBytesStates, torch.optim.AdamW):
+    """bitsandbytes' AdamW (`adamw_bnb_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`): two states a parameter
+    (`_BitsAndBytesStates`). memfit's own `Adam8bit` is another layout (blocks along rows, 1-D tensors in fp32).
+    An AdamW to the planner, whose advice on what else may fit rebuilds AdamW with memfit's states."""
+
+    STATES = 2
+
+
+class BitsAndBytesLion(_BitsAndBytesStates, torch.optim.Optimizer):
+    """bitsandbytes' Lion (`lion_8bit`, `lion_32bit` and their paged names): one state a parameter
+    (`_BitsAndBytesStates`), one quantization map."""
+
+    STATES = 1
 
 
 def _is_sft(args) -> bool:
@@ -438,14 +481,10 @@ def not_modelled(args, gpus: int | None = None) -> None:
         why = "DeepSpeed (its ZeRO stages, buffers and offload are not memfit's layouts)"
     elif args.torch_compile:
         why = "torch_compile (a compiled step keeps other tensors than the eager one memfit traces)"
-    elif args.optim in ("paged_adamw_8bit", "paged_adamw_32bit"):
-        why = (f"optim={_optim_name(args)!r} (bitsandbytes keeps the states of 100,000 elements or more in CUDA "
-               "unified memory, outside PyTorch's allocator, on the GPU or the host as the driver decides): use "
-               "adamw_bnb_8bit")
-    elif args.optim not in OPTIMIZERS + BNB_8BIT:
-        why = (f"optim={_optim_name(args)!r} (modelled: {', '.join(OPTIMIZERS + BNB_8BIT)})")
-    elif args.optim in BNB_8BIT and args.fsdp:
-        why = "fsdp with bitsandbytes' 8-bit states (their layout over FSDP2's shards is not checked)"
+    elif args.optim not in OPTIMIZERS + BNB:
+        why = (f"optim={_optim_name(args)!r} (modelled: {', '.join(OPTIMIZERS + BNB)})")
+    elif args.optim in BNB and args.fsdp:
+        why = "fsdp with bitsandbytes' optimizer states (their layout over FSDP2's shards is not checked)"
     elif getattr(args, "use_liger_kernel", False):
         why = "use_liger_kernel (Liger's fused kernels replace the model's own)"
     elif args.label_smoothing_factor:
@@ -469,10 +508,11 @@ def _check_target(args, dev) -> None:
     """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces. Trainer's
     fsdp on a CPU is refused: Accelerate shards with FSDP only on accelerators, and CPU processes train with
     its DDP (MULTI_CPU) instead."""
-    if args.optim in BNB_8BIT and dev.kind != "cuda":
+    if args.optim in BNB and dev.kind != "cuda":
         raise ConfigError(f"not modelled by memfit for Trainer: optim={_optim_name(args)!r} on a CPU ({dev.name}), "
-                          "where bitsandbytes updates through whole fp32 copies of each state (memfit models its "
-                          "fused CUDA kernel); no estimate is made for it")
+                          "where bitsandbytes updates through its PyTorch fallback, with whole fp32 copies of 8-bit "
+                          "states, and pages nothing (memfit models its fused CUDA kernels); no estimate is made "
+                          "for it")
     if args.fsdp and dev.kind != "cuda":
         raise ConfigError(f"not modelled by memfit for Trainer: fsdp on a CPU ({dev.name}), where Accelerate trains "
                           "the processes with DDP instead (FSDP only on accelerators); no estimate is made for it")
@@ -486,8 +526,10 @@ def config_of(args, gpus: int | None = None) -> Config:
     """memfit's Config for the step `args` describe on `gpus` ranks (None: `args.world_size`):
     transformers' checkpointing lives in the model (`trainer_workload`), so the Config has none of its own.
     Under FSDP it carries the ranks and memfit's nearest layout (`Sharding`); `traced` is what is estimated."""
+    optim = _optim_name(args)
     config = Config(micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                    precision=_precision_of(args), optimizer_8bit=_optim_name(args) in BNB_8BIT)
+                    precision=_precision_of(args), optimizer_8bit=optim in BNB_8BIT,
+                    paged_optimizer=optim in BNB_8BIT and optim in BNB_PAGED)
     sharding = _sharding(args, gpus)
     return config if sharding is None else config.replace(gpus=sharding.world, data_parallel=sharding.layout)
 
@@ -496,7 +538,7 @@ def traced(config: Config) -> Config:
     """The one-rank Config a Trainer step is traced with: bitsandbytes' 8-bit states are the workload's optimizer
     (`BitsAndBytesAdamW`), not memfit's `optimizer_8bit`; under FSDP, Accelerate's sharding and mixed-precision
     policy are in the workload (`Sharding`), and memfit adds neither its own layout nor autocast."""
-    config = config.replace(optimizer_8bit=False)
+    config = config.replace(optimizer_8bit=False, paged_optimizer=False)
     return config if config.gpus == 1 else config.replace(gpus=1, data_parallel="none", precision="fp32")
 
 
@@ -509,14 +551,17 @@ def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu", gp
     dev = get_device(device)
     _check_target(args, dev)
     config = config_of(args, gpus)
-    return _with_nccl(_with_loader(wl, config, dev), config, dev)
+    return _with_nccl(_with_loader(wl, config, dev, _optim_name(args)), config, dev)
 
 
-def _with_loader(wl: Workload, config: Config, dev) -> Estimate:
-    """`config`'s step (`traced`, under FSDP on rank 0 of a fake world of its ranks) and the dataloader's."""
+def _with_loader(wl: Workload, config: Config, dev, optim: str) -> Estimate:
+    """`config`'s step (`traced`, under FSDP on rank 0 of a fake world of its ranks) and the dataloader's; with
+    a paged bitsandbytes optimizer (`optim`), its states in unified memory (`_with_paged`)."""
     run = traced(config)
     with _rank_world(config.gpus):
         est = estimate(wl, run, dev)
+    if optim in BNB_PAGED:
+        est = _with_paged(wl, est)
     with torch.device("meta"):
         micro = sum(t.numel() * t.element_size() for t in tensors_of(wl.batch(config.micro_batch)))
     if est.device_peak_bytes is None:  # on a CPU memfit's step holds the global batch already
@@ -537,6 +582,29 @@ def _with_loader(wl: Workload, config: Config, dev) -> Estimate:
                      "transformer layer, the input embedding, [final norm, output head] kept gathered, the root), "
                      "traced with a fake process group")
     return dataclasses.replace(est, breakdown=breakdown, notes=notes, **fields)
+
+
+def _with_paged(wl: Workload, est: Estimate) -> Estimate:
+    """A paged bitsandbytes optimizer's states in CUDA unified memory, which PyTorch's allocator never sees (its
+    allocated and reserved peaks stay the trace's): the whole of them as host memory (`host_peak_bytes`), where
+    the driver keeps them while the GPU has no room, as memfit's own paged states are counted; and on the GPU
+    (`device_peak_bytes`, nvidia-smi's view) the largest parameter's, which bitsandbytes prefetches there before
+    that parameter's update, on top of the reserved pool. Where the GPU has room the driver leaves more pages
+    there (nvidia-smi shows them); paging traffic is not priced in the step time. Counted from the whole model
+    built on the meta device, so a trace of fewer blocks (extrapolated) counts them all."""
+    with torch.device("meta"):
+        model = wl.model()
+        sizes = wl.optimizer(list(model.parameters())).managed_bytes()
+    managed, largest = sum(sizes), max(sizes, default=0)
+    if not managed:
+        return est
+    note = (f"bitsandbytes' paged states: {fmt_bytes(managed)} in CUDA unified memory ({sum(map(bool, sizes))} "
+            f"parameters of {PAGED_MIN:,} elements or more), outside PyTorch's allocator, so not in the allocated or "
+            f"reserved peaks; counted as host memory, and {fmt_bytes(largest)} (the largest parameter's, prefetched "
+            "before its update) on the GPU; where the GPU has room the driver keeps more of them there (not "
+            "checked on a GPU)")
+    return dataclasses.replace(est, host_peak_bytes=(est.host_peak_bytes or 0) + managed,
+                               device_peak_bytes=est.device_peak_bytes + largest, notes=[*est.notes, note])
 
 
 def _nccl(config: Config, dev) -> int:
@@ -621,8 +689,9 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
     if "8bit-optim" in planner_allow:
         optims += _eight_bit_allowed(args, device)
     if planner_allow - {"8bit-optim"}:
-        raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow - {'8bit-optim'}))} for Trainer: paged "
-                          "optimizers keep their states in CUDA unified memory, outside PyTorch's allocator; "
+        raise ConfigError(f"cannot allow {', '.join(sorted(planner_allow - {'8bit-optim'}))} for Trainer: a switch "
+                          "to bitsandbytes' paged optimizers is not planned (their paging under memory pressure is "
+                          "not priced in the step time: name optim='paged_adamw_8bit' to have it estimated); "
                           "adapters are the model's, not the arguments'")
     not_modelled(args, gpus)
     dev, limit = target(device, budget)
@@ -634,7 +703,8 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
 
     def as_run(config: Config, precision: str, optim: str) -> Config:
         """A traced candidate as the Config of the run it stands for."""
-        config = config.replace(optimizer_8bit=optim in BNB_8BIT)
+        eight = optim in BNB_8BIT
+        config = config.replace(optimizer_8bit=eight, paged_optimizer=eight and optim in BNB_PAGED)
         return config if sharding is None else config.replace(precision=precision, gpus=sharding.world,
                                                                data_parallel=sharding.layout)
 
@@ -643,7 +713,8 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
             kw = settings(config.replace(precision=precision))
             wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding, optim,
                        config.grad_accum)
-            return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision, optim), dev)
+            return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision, optim), dev,
+                                optim)
         return confirm
 
     nccl = _nccl(user, dev)  # outside the traced step: the planner gets the budget without it, then it is added
@@ -699,8 +770,8 @@ def _eight_bit_allowed(args, device) -> list[str]:
 def _arguments(config: Config, args) -> dict:
     """The TrainingArguments keywords that run a planned `config`: `settings`, and bitsandbytes' 8-bit AdamW where
     the plan switched to 8-bit states."""
-    kw = settings(config.replace(optimizer_8bit=False))
-    if config.optimizer_8bit and _optim_name(args) not in BNB_8BIT:
+    kw = settings(config.replace(optimizer_8bit=False, paged_optimizer=False))
+    if config.optimizer_8bit and _optim_name(args) not in BNB:
         kw["optim"] = "adamw_bnb_8bit"
     return kw
 
