@@ -232,10 +232,39 @@ def test_what_sft_trainer_runs_unmodelled_is_refused_in_one_line(tmp_path):
         assert "\n" not in str(e.value) and str(e.value).startswith("not modelled by memfit for SFTTrainer")
     with pytest.raises(ConfigError, match="mixtral, a Mixture-of-Experts model"):
         fit_training_args(load_config("mixtral"), _sft(tmp_path), seq_len=SEQ, device="cpu", budget="1GiB")
-    with pytest.raises(ConfigError, match=r"a GPU \(h100\), where TRL's fused LM head runs Triton kernels"):
-        estimate_training_args(make(), _sft(tmp_path), seq_len=SEQ, device="h100")
     with pytest.raises(ConfigError, match="seq_len=128 is longer than the SFTConfig's max_length=64"):
         fit_training_args(make(), _sft(tmp_path), seq_len=2 * SEQ, device="cpu", budget="1GiB")
+
+
+def test_sft_trainer_on_a_gpu_traces_the_fused_heads_gpu_path(tmp_path):
+    """For an H100, TRL's fused head scores only the labelled positions (every one of these rows: n = 4 x 63 =
+    252) and its Triton kernels fold each logits tile in place, so at the step's peak, inside the head's
+    backward on the one vocabulary tile (1,000 < 32,768), TRL's tensors live are, from its source by hand
+    (hidden 128, bf16 autocast): the tile buffer min(n, 4,096) x 32,768 in bf16, the fp32 gradient
+    accumulators of the head's weight and of the hidden states, the bf16 casts of the weight chunk and the
+    hidden chunk; and what the forward saved: the labelled hidden states (fp32), their labels (int64), log Z
+    and the entropy (fp32), the label mask. None of the fp32 tile-sized temporaries of the CPU's torch fold."""
+    pytest.importorskip("trl")
+    make, _ = _maker("llama")
+    args = _sft(tmp_path, per_device_train_batch_size=4, activation_checkpointing=False)
+    est = estimate_training_args(make(), args, seq_len=SEQ, device="h100")
+    n, hidden, vocab = 4 * (SEQ - 1), 128, 1000
+    by_hand = sorted([
+        (n * 32768 * 2, (n, 32768), "bfloat16", "chunked_logprob.py", "backward"),  # mm_buf
+        (vocab * hidden * 4, (vocab, hidden), "float32", "chunked_logprob.py", "backward"),  # grad_weight
+        (vocab * hidden * 2, (vocab, hidden), "bfloat16", "chunked_logprob.py", "backward"),  # w_chunk
+        (n * hidden * 4, (n, hidden), "float32", "chunked_logprob.py", "backward"),  # grad_hidden
+        (n * hidden * 2, (n, hidden), "bfloat16", "chunked_logprob.py", "backward"),  # hidden_chunk
+        (n * hidden * 4, (n, hidden), "float32", "utils.py", "_fused_forward"),  # hidden_states[mask]
+        (n * 8, (n,), "int64", "utils.py", "_fused_forward"),  # labels[mask]
+        (n * 4, (n,), "float32", "chunked_logprob.py", "forward"),  # log_z
+        (n * 4, (n,), "float32", "chunked_logprob.py", "forward"),  # entropy
+        (4 * (SEQ - 1), (4, SEQ - 1), "bool", "utils.py", "_fused_forward"),  # mask
+    ])
+    traced = sorted((t["bytes"], tuple(t["shape"]), t["dtype"], t["source"].split(":")[0].rsplit("/", 1)[-1],
+                     t["source"].rsplit(" in ", 1)[-1]) for t in est.top_tensors if t["source"].startswith("trl/"))
+    assert est.peak_phase == "backward" and traced == by_hand
+    assert any("fused LM head traced on its GPU path" in note for note in est.notes)
 
 
 def _fsdp(tmp_path, fsdp_config=None, **kw):

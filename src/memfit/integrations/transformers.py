@@ -12,13 +12,13 @@ user's global batch, and confirms the arguments it returns with `estimate_traini
 
 With TRL's `SFTConfig` the step is `SFTTrainer`'s instead: its `compute_loss` calls the model with TRL's fused LM
 head (`add_fused_lm_head`: per-token log-probabilities, entropy and top-1 in vocabulary tiles, the full logits
-never made) and its collator's rows carry an attention mask. On a GPU that head runs Triton kernels and scores
-only the labelled positions, which memfit does not trace (it traces TRL's torch path, the CPU's): a GPU target
-is refused for SFTConfig.
+never made) and its collator's rows carry an attention mask. On a GPU that head scores only the labelled
+positions and folds its tiles with Triton kernels; for a GPU target memfit traces that path (`_gpu_path`).
 
 Trainer's FSDP2 (`args.fsdp`, `fsdp_config` version 2) is traced on rank 0 of a fake world with Accelerate's own
-sharding (`Sharding`); bitsandbytes' 8-bit AdamW with its own state layout (`BitsAndBytesAdamW`). What either
-does that memfit does not trace is refused in one line (`not_modelled`, `_check_target`).
+sharding (`Sharding`); bitsandbytes' AdamW and Lion, 8-bit, 32-bit and paged, with their own state layout
+(`BitsAndBytesAdamW`, `BitsAndBytesLion`; paged states in unified memory: `_with_paged`). What either does that
+memfit does not trace is refused in one line (`not_modelled`, `_check_target`).
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ import warnings
 import torch
 
 from memfit.config import Config
-from memfit.errors import ConfigError, PlanError, WorkloadError
+from memfit.errors import ConfigError, EstimateError, PlanError, WorkloadError
 from memfit.integrations.loops import plan_runnable, rebuilt, target
 from memfit.losses import chunking
 from memfit.memory.devices import get_device, nccl_bytes
 from memfit.memory.estimate import Category, Estimate, estimate
+from memfit.memory.fake import is_fake
 from memfit.planner.search import Plan, check_allow, resolve_budget
 from memfit.strategies.optimizer_8bit import BLOCK, MIN_SIZE
 from memfit.torch_internals import fake_process_group
@@ -97,16 +98,17 @@ def base_workload(model, seq_len: int) -> Workload:
     return dataclasses.replace(described, model=rebuilt(model), name=f"{type(inner).__name__}")
 
 
-def trainer_workload(model, args, *, seq_len: int, gpus: int | None = None) -> Workload:
+def trainer_workload(model, args, *, seq_len: int, gpus: int | None = None, device: str = "cpu") -> Workload:
     """The step `transformers.Trainer` runs with `args` (a `TrainingArguments`), or `trl.SFTTrainer` with an
-    `SFTConfig` (its CPU path: module doc), as a memfit Workload of one rank; the micro-batch, accumulation and
+    `SFTConfig` (on a GPU `device`, its fused head's GPU path: module doc), as a memfit Workload of one rank; the
+    micro-batch, accumulation and
     precision it is traced with are `traced(config_of(args, gpus=gpus))`. `seq_len`: every row's length (for
     SFTTrainer, the length its collator pads the micro-batch to, so rows of one length, or truncated to
     `max_length`, give the exact figure). Under FSDP (`args.fsdp`) it is rank 0's step and must be traced in a
     process group of `gpus` ranks (`estimate_training_args` makes a fake one)."""
     not_modelled(args, gpus)
     return _step(model, args, seq_len, _checkpointing_of(args), _precision_of(args), _sharding(args, gpus),
-                 accum=args.gradient_accumulation_steps)
+                 accum=args.gradient_accumulation_steps, gpu=get_device(device).kind == "cuda")
 
 
 def _optim_name(args) -> str:
@@ -123,9 +125,11 @@ def _checkpointing_of(args) -> tuple[bool, dict | None]:
 
 
 def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], precision: str,
-          sharding: "Sharding | None" = None, optim: str | None = None, accum: int = 1) -> Workload:
+          sharding: "Sharding | None" = None, optim: str | None = None, accum: int = 1,
+          gpu: bool = False) -> Workload:
     """`trainer_workload` with transformers' activation checkpointing (on, its keywords), the precision, the
-    optimizer's name (None: `args.optim`) and the micro-batches a step (`accum`) given apart from `args`: the
+    optimizer's name (None: `args.optim`), the micro-batches a step (`accum`) and whether the target is a GPU
+    (SFTTrainer's head takes its GPU path there: `_gpu_path`) given apart from `args`: the
     planner's candidates are estimated without a TrainingArguments made for each (building one resets
     Accelerate's process-wide state, a live Trainer's included)."""
     optim = optim or _optim_name(args)
@@ -137,6 +141,8 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
     base = base_workload(model, _sft_rows(args, seq_len) if sft else seq_len)
     if sft:
         _refuse_moe(model)
+        if gpu:
+            _check_gpu_path()
     if sharding is not None and hasattr(model, "get_base_model"):
         raise ConfigError("not modelled by memfit for Trainer: fsdp with a PEFT model (Accelerate then changes "
                           "its wrapping policy for the adapters); no estimate is made for it")
@@ -209,8 +215,8 @@ def _step(model, args, seq_len: int, checkpointing: tuple[bool, dict | None], pr
         """SFTTrainer.compute_loss: the fused head's summed negative log-likelihood ("dft" weighs each token by
         its probability) over the labelled tokens, here the micro-batch's own count, as in `loss`. Its metrics
         (entropy, token accuracy, tokens seen) are sums read back with `.item()`: 0-d tensors, left out."""
-        with masks_as_in_a_real_run():  # the mask of ones is left out, as transformers does where SDPA runs
-            out = m(**batch, use_cache=False, fused_lm_head=True)
+        with masks_as_in_a_real_run(), _gpu_path() if gpu else contextlib.nullcontext():
+            out = m(**batch, use_cache=False, fused_lm_head=True)  # SDPA's mask of ones left out, as transformers
         per_token = -out.log_probs
         if args.loss_type == "dft":
             per_token = per_token * out.log_probs.exp().detach()
@@ -341,6 +347,112 @@ def _add_fused_lm_head(m: torch.nn.Module) -> None:
 
     add_fused_lm_head(m.get_base_model() if hasattr(m, "get_base_model") else m,
                       outputs=("log_probs", "entropy", "is_top1"))
+
+
+@contextlib.contextmanager
+def _gpu_path():
+    """TRL's fused LM head as it runs on a GPU, for a trace on fake CPU tensors (TRL picks its path by the
+    tensors' device, `_use_triton`): only the labelled positions are scored (`hidden_states[mask]`, the outputs
+    scattered back with `masked_scatter`), and `ChunkedLogProbFunction` runs its own code with the GPU's three
+    kernels in place of the CPU's (`_TritonLogProb`). Module attributes of trl are swapped while the model's
+    forward runs, then restored: a GPU-target trace runs alone in its process (a forked child)."""
+    from trl.trainer import utils
+
+    with _swapped(utils, _use_triton=lambda device: True, _ChunkedLogProbFunction=_TritonLogProb):
+        yield
+
+
+# what `_gpu_path` swaps in trl (1.16): its fused head's device choice, autograd function and GPU kernels
+_GPU_PATH_NAMES = {"trl.trainer.utils": ("_use_triton", "_ChunkedLogProbFunction"),
+                   "trl.kernels.chunked_logprob": ("_use_triton", "_forward_kernel", "_backward_kernel", "_addmm_fp32",
+                                                   "_MM_OUT_DTYPE")}
+
+
+def _check_gpu_path() -> None:
+    """Refuses, in one line, a trl whose fused head lacks what `_gpu_path` swaps: the trace would silently take
+    the CPU's path."""
+    import importlib
+
+    import trl
+
+    for module, names in _GPU_PATH_NAMES.items():
+        lacking = [n for n in names if not hasattr(importlib.import_module(module), n)]
+        if lacking:
+            raise ConfigError(f"not modelled by memfit for SFTTrainer: a GPU with trl {trl.__version__}, whose fused "
+                              f"LM head has no {module}.{lacking[0]} (memfit follows trl 1.16's GPU path); no "
+                              "estimate is made for it")
+
+
+@contextlib.contextmanager
+def _swapped(module, **values):
+    """`module`'s attributes set to `values` (one it lacks, added) while inside, as they were after."""
+    missing = object()
+    saved = {name: getattr(module, name, missing) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+class _TritonKernel:
+    """A Triton kernel of TRL's head on fake tensors: launched as `kernel[grid](...)`, it rewrites tensors it is
+    given in place (the running statistics; in backward the logits tile, into its gradient) and allocates
+    nothing, so it does nothing here. On real tensors it would leave wrong values: refused."""
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if not all(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            raise EstimateError("TRL's fused LM head's GPU path is traced on fake tensors only")
+
+
+def _addmm_fp32_on_a_gpu(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """TRL's `_addmm_fp32` on a CUDA device: half-precision operands multiply straight into the fp32 `acc`
+    (`addmm` with `out_dtype`, torch 2.8 or later), without the fp32 copies of them its CPU branch makes."""
+    from trl.kernels import chunked_logprob
+
+    if chunked_logprob._MM_OUT_DTYPE and a.dtype in (torch.float16, torch.bfloat16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+@contextlib.contextmanager
+def _triton_kernels():
+    """`trl.kernels.chunked_logprob` as on a GPU: Triton there (`_use_triton`), its two kernels (`_TritonKernel`),
+    `triton.cdiv` for the backward's grid, and `_addmm_fp32`'s CUDA branch."""
+    from trl.kernels import chunked_logprob
+
+    kernel = _TritonKernel()
+    with _swapped(chunked_logprob, _use_triton=lambda device: True, _forward_kernel=kernel, _backward_kernel=kernel,
+                  triton=types.SimpleNamespace(cdiv=lambda a, b: -(-a // b)), _addmm_fp32=_addmm_fp32_on_a_gpu):
+        yield
+
+
+class _TritonLogProb(torch.autograd.Function):
+    """TRL's `ChunkedLogProbFunction`, its own forward and backward, each run with the GPU's kernels
+    (`_triton_kernels`): what they allocate is TRL's code's, the Triton kernels adding nothing."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        from trl.kernels import ChunkedLogProbFunction
+
+        with _triton_kernels():
+            return ChunkedLogProbFunction.forward(ctx, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from trl.kernels import ChunkedLogProbFunction
+
+        with _triton_kernels():
+            return ChunkedLogProbFunction.backward(ctx, *grads)
 
 
 def _accepts_loss_kwargs(m: torch.nn.Module) -> bool:
@@ -505,8 +617,8 @@ def not_modelled(args, gpus: int | None = None) -> None:
 
 
 def _check_target(args, dev) -> None:
-    """SFTTrainer on a GPU is refused (module doc): its Triton kernels are not what memfit traces. Trainer's
-    fsdp on a CPU is refused: Accelerate shards with FSDP only on accelerators, and CPU processes train with
+    """bitsandbytes on a CPU is refused: it updates there through its PyTorch fallback. Trainer's fsdp on a CPU
+    is refused: Accelerate shards with FSDP only on accelerators, and CPU processes train with
     its DDP (MULTI_CPU) instead."""
     if args.optim in BNB and dev.kind != "cuda":
         raise ConfigError(f"not modelled by memfit for Trainer: optim={_optim_name(args)!r} on a CPU ({dev.name}), "
@@ -516,10 +628,6 @@ def _check_target(args, dev) -> None:
     if args.fsdp and dev.kind != "cuda":
         raise ConfigError(f"not modelled by memfit for Trainer: fsdp on a CPU ({dev.name}), where Accelerate trains "
                           "the processes with DDP instead (FSDP only on accelerators); no estimate is made for it")
-    if _is_sft(args) and dev.kind == "cuda":
-        raise ConfigError(f"not modelled by memfit for SFTTrainer: a GPU ({dev.name}), where TRL's fused LM head "
-                          "runs Triton kernels on the labelled positions only (memfit traces its torch path, the "
-                          "CPU's); no estimate is made for it")
 
 
 def config_of(args, gpus: int | None = None) -> Config:
@@ -547,21 +655,27 @@ def estimate_training_args(model, args, *, seq_len: int, device: str = "cpu", gp
     `trainer_workload` plus the batches Accelerate's dataloader holds beyond memfit's step (module doc).
     `gpus`: the ranks an FSDP run will have, where this process is not one of them (default
     `args.world_size`); the estimate is made in a fake process group, so call it before any real one."""
-    wl = trainer_workload(model, args, seq_len=seq_len, gpus=gpus)
     dev = get_device(device)
+    wl = trainer_workload(model, args, seq_len=seq_len, gpus=gpus, device=device)
     _check_target(args, dev)
     config = config_of(args, gpus)
-    return _with_nccl(_with_loader(wl, config, dev, _optim_name(args)), config, dev)
+    return _with_nccl(_with_loader(wl, config, dev, args, _optim_name(args)), config, dev)
 
 
-def _with_loader(wl: Workload, config: Config, dev, optim: str) -> Estimate:
+def _with_loader(wl: Workload, config: Config, dev, args=None, optim: str | None = None) -> Estimate:
     """`config`'s step (`traced`, under FSDP on rank 0 of a fake world of its ranks) and the dataloader's; with
-    a paged bitsandbytes optimizer (`optim`), its states in unified memory (`_with_paged`)."""
+    a paged bitsandbytes optimizer (`optim`), its states in unified memory (`_with_paged`); for an SFTConfig
+    (`args`) on a GPU, a note on its head's path."""
     run = traced(config)
     with _rank_world(config.gpus):
         est = estimate(wl, run, dev)
     if optim in BNB_PAGED:
         est = _with_paged(wl, est)
+    if args is not None and _is_sft(args) and dev.kind == "cuda":
+        est.notes.append("SFTTrainer's fused LM head traced on its GPU path (trl's own code, its Triton kernels "
+                         "allocating nothing): only labelled positions are scored, every position of these rows; "
+                         "fewer labelled (masked prompts) keep less. Not seen: the scratch CUDA's boolean indexing "
+                         "and masked_scatter take while they run (a few int64 a position). Not checked on a GPU")
     with torch.device("meta"):
         micro = sum(t.numel() * t.element_size() for t in tensors_of(wl.batch(config.micro_batch)))
     if est.device_peak_bytes is None:  # on a CPU memfit's step holds the global batch already
@@ -712,9 +826,9 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
         def confirm(config: Config) -> Estimate:
             kw = settings(config.replace(precision=precision))
             wl = _step(model, args, seq_len, (kw[name], kw.get(f"{name}_kwargs")), precision, sharding, optim,
-                       config.grad_accum)
+                       config.grad_accum, gpu=dev.kind == "cuda")
             return _with_loader(wl, as_run(config.replace(activation_checkpoint="none"), precision, optim), dev,
-                                optim)
+                                args, optim)
         return confirm
 
     nccl = _nccl(user, dev)  # outside the traced step: the planner gets the budget without it, then it is added
@@ -726,7 +840,8 @@ def _fit(model, args, seq_len: int, device, budget, allow, gpus: int | None = No
     plans, errors = [], []
     for precision in dict.fromkeys([user.precision, *(PRECISIONS[a] for a in sorted(allowed) if a in PRECISIONS)]):
         for optim in optims:
-            searched = _step(model, args, seq_len, (False, None), precision, sharding, optim)  # confirm: its accum
+            searched = _step(model, args, seq_len, (False, None), precision, sharding, optim,  # confirm: its accum
+                             gpu=dev.kind == "cuda")
             try:
                 with _rank_world(user.gpus):  # the planner traces rank 0 of the run's ranks
                     found = plan_runnable(searched, user.rank_batch, runs, stack="Trainer",
