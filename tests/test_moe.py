@@ -16,7 +16,7 @@ from memfit import Config
 from memfit.memory.fake import is_fake, new_fake_mode
 from memfit.memory.kernels import CpuWorkspaces
 from memfit.memory.measure import measure_step
-from memfit.memory.routing import MAX_CHOICES, Routing, assumed_choices
+from memfit.memory.routing import FLOAT_FACTORY_LIMIT_BYTES, MAX_CHOICES, Routing, assumed_choices
 from memfit.memory.tracker import LiveBytes
 from memfit.report.tables import estimate_view
 from memfit.step import TrainStep
@@ -109,6 +109,21 @@ def test_assumed_routings_choose_k_distinct_experts_as_documented(rows, k, exper
 
 
 # ------------------------------------------------------------------------------------ the dispatch mode
+
+def test_values_computed_from_known_values_keep_shadows_small_when_floating():
+    """Rotary tables made from `arange` in every layer: their cos/sin are not computed for real beyond
+    FLOAT_FACTORY_LIMIT_BYTES (a third of a 7B probe's time was), while integer and boolean results (what
+    shapes depend on) keep their values up to SHADOW_LIMIT_BYTES."""
+    with new_fake_mode(), Routing() as routing:
+        positions = torch.arange(4096, dtype=torch.float32)
+        small = torch.outer(positions[:64], torch.ones(64)).cos()  # 16 KiB
+        large = torch.outer(positions, torch.ones(128))  # 2 MiB
+        assert large.untyped_storage().nbytes() > FLOAT_FACTORY_LIMIT_BYTES
+        counts = torch.arange(1024 * 1024) % 7  # 8 MiB of int64
+        assert routing.shadow(small) is not None and routing.shadow(large) is None
+        assert routing.shadow(large.cos()) is None
+        assert routing.shadow(counts) is not None and int((counts == 3).sum()) == (1024 * 1024 - 3 + 6) // 7
+
 
 def test_routing_mode_answers_what_fake_tensors_refuse_from_the_assumed_choices():
     with new_fake_mode(), Routing() as routing:

@@ -24,7 +24,10 @@ would have. Shadows come from two places only:
   at most `MAX_CHOICES` entries that are not known get the choices the assumption prescribes.
 
 Every op whose tensor inputs all have shadows is also run on the shadows (outside the fake mode), so
-`one_hot`, `permute`, `sum`, `cumsum`, `sort`, comparisons... carry the values along. An op fake tensors
+`one_hot`, `permute`, `sum`, `cumsum`, `sort`, comparisons... carry the values along; a floating result
+keeps its shadow only up to `FLOAT_FACTORY_LIMIT_BYTES`, as a floating factory's does (rotary cos/sin
+tables made from `arange` in every layer were computed for real: a third of a 7B probe's time), integer
+and boolean ones (indices, masks, counts: what shapes depend on) up to `SHADOW_LIMIT_BYTES`. An op fake tensors
 refuse (`DynamicOutputShapeException`, `DataDependentOutputException`) is answered from the shadows: its
 output becomes a fake tensor of the real output's shape, with the real output as shadow, and `.item()`,
 `.tolist()`, `bool()` return the real numbers. Ops that mix shadowed indices with ordinary fake data
@@ -514,7 +517,8 @@ def _finite_check(func, args) -> bool | None:
 
 
 def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
-    """Shadows are small, made only of values known without data, or of the batch while it is drawn."""
+    """Shadows are small, made only of values known without data, or of the batch while it is drawn; floating
+    ones smaller still (module doc)."""
     fakes = [t for t in _leaves(out) if isinstance(t, torch.Tensor) and is_fake(t)]
     if not fakes or any(t.untyped_storage().nbytes() > SHADOW_LIMIT_BYTES for t in fakes):
         return False
@@ -522,9 +526,7 @@ def _may_shadow(func, args, kwargs, out, drawing: bool) -> bool:
         return True
     if torch.Tag.nondeterministic_seeded in func.tags:
         return False
-    if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
-        return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES for t in fakes)
-    return True
+    return all(t.dtype in _EXACT_DTYPES or t.untyped_storage().nbytes() <= FLOAT_FACTORY_LIMIT_BYTES for t in fakes)
 
 
 def _leaves(x) -> list:
