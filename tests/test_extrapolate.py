@@ -1,7 +1,8 @@
 """An estimate counted from three shallow copies gives the whole model's trace's figures to the byte, on a GPU
 target (the caching allocator's reserved peak included) and on the CPU, for models of several kinds (dense,
-MoE, vision, a Mamba/attention hybrid whose layers repeat every 2); where it does not apply (an
-encoder-decoder, a shallow model) the whole model is traced, and nothing says extrapolated."""
+MoE, vision, a Mamba/attention hybrid whose layers repeat every 2, one whose attention block is shared by its
+layers); where it does not apply (an encoder-decoder, a shallow model) the whole model is traced, and nothing
+says extrapolated."""
 import io
 
 import pytest
@@ -17,23 +18,30 @@ from memfit.memory.extrapolate import estimate_blocks, layer_plan  # noqa: E402
 from memfit.report.tables import estimate_view  # noqa: E402
 from memfit.workloads import hf  # noqa: E402
 
-LAYERS = 12  # copies of 1, 2, 3 blocks hold half of them: the least depth extrapolated
+LAYERS = 12  # copies of 1, 2, 3 blocks: 3 on either core, 6 in all (at most 1/2 and 3/4 of the blocks)
 SMALL = dict(hidden_size=64, num_attention_heads=4, vocab_size=512, num_hidden_layers=LAYERS)
 KINDS = {
     "llama": dict(SMALL, intermediate_size=128, num_key_value_heads=2),                       # dense
     "mixtral": dict(SMALL, intermediate_size=64, num_key_value_heads=2, num_local_experts=4),  # MoE
     "vit": dict(SMALL, intermediate_size=128, image_size=32, patch_size=8),                   # vision
-    # a hybrid of the Mamba family: attention every 2nd layer, experts in the others; copies of 2, 4, 6 of 24
-    "jamba": dict(SMALL, num_hidden_layers=2 * LAYERS, num_key_value_heads=2, intermediate_size=64,
+    # a hybrid of the Mamba family: attention every 2nd layer, experts in the others; copies of 2, 4, 6 would
+    # hold 6 of its 8 blocks on one core, so the first has no layer: 0, 2, 4 (its backward peaks off the line)
+    "jamba": dict(SMALL, num_hidden_layers=8, num_key_value_heads=2, intermediate_size=64,
                   attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
+    # Zamba: Mamba layers, from the third on each also running one attention block shared by all (transformers
+    # ties its weights); the first copy holds three of its uses (5 blocks), as autograd sums the second use's
+    # weight gradient into the first's out of place and each further one in place
+    "zamba": dict(SMALL, num_hidden_layers=24, num_key_value_heads=4, intermediate_size=128, attn_layer_period=1,
+                  attn_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
 }
-TRACED = {"jamba": (6, 2 * LAYERS)}  # (blocks traced at most, of); the others 3 of LAYERS
+TRACED = {"jamba": (4, 8), "zamba": (7, 24)}  # (blocks traced at most, of); the others 3 of LAYERS
+FIRST = {"jamba": 0, "zamba": 5}  # the first copy's blocks; the others 1
 
 
 def _workload(kind: str, **fields):
     return hf.from_config(transformers.AutoConfig.for_model(kind, **fields), name=kind,
-                          **({} if kind == "vit" else {"seq": 8 if kind == "jamba" else 16}))
+                          **({} if kind == "vit" else {"seq": {"jamba": 8, "zamba": 4}.get(kind, 16)}))
 
 
 def _figures(e) -> tuple:
@@ -48,6 +56,7 @@ def test_extrapolated_estimate_is_the_full_trace(kind):
     counted = estimate_blocks(wl, config, "h100", isolate=False)
     full = estimate(wl, config, "h100", isolate=False)
     traced, blocks = TRACED.get(kind, (3, LAYERS))
+    assert layer_plan(wl).depths[0] == FIRST.get(kind, 1)
     assert counted.extrapolated_from == (traced, blocks)
     assert counted.notes[0].startswith(f"extrapolated from {traced} of {blocks} blocks")
     assert _figures(counted) == _figures(full)
@@ -66,9 +75,9 @@ def test_extrapolated_on_the_cpu():
 
 def test_where_it_does_not_apply_the_whole_model_is_traced():
     # an encoder-decoder's blocks are two lists (T5: encoder and decoder); a model too shallow for copies
-    # holding at most half of its blocks
+    # of 1, 2, 3 blocks to hold at most three quarters of its blocks
     t5 = _workload("t5", d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=LAYERS, vocab_size=512)
-    shallow = _workload("llama", **dict(KINDS["llama"], num_hidden_layers=8))
+    shallow = _workload("llama", **dict(KINDS["llama"], num_hidden_layers=7))
     assert layer_plan(t5) is None and layer_plan(shallow) is None
     est = estimate_blocks(shallow, Config(micro_batch=1), "cpu", isolate=False)
     assert est.extrapolated_from is None and est.timeline["index"]
@@ -88,6 +97,17 @@ def test_stream_with_blocks_inserted_repeats():
     assert streams.peak(five) == 5 * 8 + 4 + 5 * 16
     # the frees at the end, with no allocation between them, in the order their storages were made
     assert streams.events(two) == [(0, 8), (1, 8), (2, 4), (3, 16), (4, 16), (2, -4), (3, -16), (4, -16)]
+
+
+def test_a_second_copy_read_two_ways_takes_the_reading_the_third_bears_out():
+    """A run inserted before a token of its own class can be read split around that token or whole; both make
+    the second copy, only one the third (Zamba's optimizer frees its temporaries so)."""
+    a, f, g, h = (8, "a"), (-4, "f"), (2, "g"), (1, "h")
+    first, second, third = [a, f], [a, g, f, h, f], [a, g, f, h, g, f, h, f]
+    split = streams.insertions(first, second)  # the longest agreement, ties the shortest run: g, then h f
+    assert streams.repeat(first, split, 1) == second and streams.repeat(first, split, 2) != third
+    whole = streams.insertions(first, second, lambda runs: streams.repeat(first, runs, 2) == third)
+    assert whole == [(1, [g, f, h])]
 
 
 def test_a_copy_differing_only_in_the_order_of_what_lives_before_the_step_says_so():

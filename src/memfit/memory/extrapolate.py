@@ -4,12 +4,13 @@ whole depth written from what one more block (or one more period of a hybrid's l
 Why it is exact where it is used: a copy with one more period of blocks makes the same allocations and frees
 as the shallower one with one period's runs inserted (its forward, backward, optimizer update, state), so the
 whole depth's stream is the shallowest one with those runs repeated (`streams`). From it come the peak of
-live bytes and, replayed through `allocator`, the CUDA caching allocator's allocated and reserved peaks, which
-are not linear in depth (the cached-but-free part moves with the segments' layout). The other figures
-(categories at the peak, state, FLOPs, parameters) add up block by block. Nothing is printed unchecked: the
-third copy's own trace must be, event for event, the stream written for it from the first two, and every
-linear figure must lie on the line through the three; else (or where it does not apply) the whole model is
-traced as before.
+live bytes, each phase's, and, replayed through `allocator`, the CUDA caching allocator's allocated and
+reserved peaks, which are not linear in depth (the cached-but-free part moves with the segments' layout). The
+other figures (categories at the peak, state, FLOPs, parameters) add up block by block. Nothing is printed
+unchecked: the third copy's own trace must be, event for event, the stream written for it from the first two
+(where the second reads as the first with runs inserted in more than one way, the reading it bears out), and
+every linear figure must lie on the line through the three; else (or where it does not apply) the whole model
+is traced as before.
 """
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ from memfit.memory.copies import shallow
 from memfit.memory.devices import Device, defaults_for, get_device
 from memfit.memory.estimate import CATEGORIES, Estimate
 from memfit.memory.isolate import run_isolated_many
+from memfit.memory.tracker import Phase
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.workload import Workload
 
 __all__ = ["BLOCKS", "Plan", "estimate_blocks", "layer_plan"]
 
 BLOCKS = ("auto", "all")  # --blocks: extrapolate where it applies (below), or trace every block
-MAX_SHARE = 0.5  # extrapolate only where the three copies hold at most half of the model's blocks
+# Extrapolate only where the copies, traced two at a time (the deepest beside the other two: _probes), hold at
+# most half of the model's blocks on either core, and all three at most three quarters of them (one core).
+MAX_SHARE, MAX_TOTAL = 0.5, 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +64,15 @@ def _kinds(model: torch.nn.Module, layers: str) -> list[tuple]:
             for b in model.get_submodule(layers)]
 
 
-def layer_plan(workload: Workload, least: int = 1, checkpoint: str | int | tuple = "none") -> Plan | None:
+def layer_plan(workload: Workload, least: int = 0, checkpoint: str | int | tuple = "none") -> Plan | None:
     """The copies to trace for `workload`, or None where extrapolating does not apply: no one list of
-    layers, a layer pattern with no period, or copies that would hold more than MAX_SHARE of the layers.
+    layers, a layer pattern with no period, or copies that would take more than MAX_SHARE / MAX_TOTAL of them.
     The whole model is built on the meta device (no memory) to read its layers; a factory that builds fewer
-    (`with_blocks`) must build the same first layers. `least`: the fewest blocks the first copy may have.
+    (`with_blocks`) must build the same first layers.
+    `least`: the fewest blocks the first copy may have; it holds the first three layers that use a parameter
+    several layers share (Zamba's attention block), so that a period more adds a use of it like the others
+    (autograd keeps the gradient of the last use in backward, adds the next one's out of place, and each
+    further one in place).
     `checkpoint` (Config.activation_checkpoint): every k-th block checkpointed is part of the layers' pattern;
     blocks named one by one are none (a copy would not hold them all)."""
     if isinstance(checkpoint, tuple):
@@ -82,26 +90,41 @@ def layer_plan(workload: Workload, least: int = 1, checkpoint: str | int | tuple
         [(kind, i % checkpoint == 0) for i, kind in enumerate(built)]  # blocks 0, k, 2k, ... (chosen_blocks)
     kinds = [k + tuple(each[i] for each in _per_layer(model, len(kinds))) for i, k in enumerate(kinds)]
     n = len(kinds)
-    for period, first in sorted(_starts(kinds, least), key=lambda pf: 3 * pf[1] + 3 * pf[0]):
-        while 3 * first + 3 * period <= MAX_SHARE * n:  # a copy that does not build: the next one deeper
-            depths = (first, first + period, first + 2 * period)
+    least = max(least, _sharing(model.get_submodule(layers)))
+    for period, first, _ in sorted(_starts(kinds, least), key=lambda c: (c[2], 3 * c[1] + 3 * c[0])):
+        depths = (first, first + period, first + 2 * period)
+        while max(depths[2], depths[0] + depths[1]) <= MAX_SHARE * n and sum(depths) <= MAX_TOTAL * n:
             if _builds(workload, layers, built, depths):
                 return Plan(n, period, depths)
-            first += period
+            depths = tuple(d + period for d in depths)  # a copy that does not build: the next ones deeper
     return None
 
 
-def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int]]:
-    """[(period, the least depth of a first copy)]: the layers repeat every `period` from some layer on, the
-    first copy holds one of them, and the rest of the model past it is whole periods (rwkv's first block has
-    one norm more; Zamba's first shared-attention layer comes after two Mamba layers, then one in six)."""
+def _sharing(layers: torch.nn.ModuleList) -> int:
+    """How many layers a copy needs to hold the first three uses of every parameter several layers share: one
+    more than the last such third use (0 where the layers share none)."""
+    users: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            users.setdefault(id(p), []).append(i)
+    return max((u[min(2, len(u) - 1)] + 1 for u in users.values() if len(u) > 1), default=0)
+
+
+def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int, bool]]:
+    """[(period, the least depth of a first copy, shallower)]: the layers repeat every `period` from some layer
+    on and the rest of the model past the first copy is whole periods. The first copy holds one repeated layer
+    (rwkv's first block has one norm more: its first copy holds it and one), or, `shallower`, tried only where
+    that costs too much, one period less (jamba's attention every 8 of 32 layers: copies of 0, 8, 16)."""
     n, out = len(kinds), []
-    for period in range(1, n // 3):
+    for period in range(1, n // 4 + 1):  # a longer one: copies of 0, 1 and 2 periods hold over half (MAX_SHARE)
         start = next((s for s in range(n - period) if all(kinds[i] == kinds[i + period]
                                                              for i in range(s, n - period))), None)
-        if start is not None:  # the first copy holds one repeated layer already (rwkv: its first block and one)
+        if start is not None:
             first = max(start + 1, least)
-            out.append((period, first + (n - first) % period))
+            first += (n - first) % period
+            out.append((period, first, False))
+            if period > 1 and first - period >= max(start, least):  # (period 1: copies of 1, 2, 3 fit 8 layers)
+                out.append((period, first - period, True))
     return out
 
 
@@ -116,7 +139,7 @@ def _per_layer(model: torch.nn.Module, n: int) -> list[list]:
 
 def _builds(workload: Workload, layers: str, kinds: list[tuple], depths: tuple[int, ...]) -> bool:
     """Whether the factory's copies (`with_blocks`) build with the whole model's first layers (Zamba's
-    does not with one shared-attention layer: transformers ties it to the others)."""
+    does not with one use of its shared attention block: transformers finds no other layer to tie it to)."""
     fewer = getattr(workload.model, "with_blocks", None)
     for d in depths if fewer is not None else ():
         try:
@@ -223,21 +246,26 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
     if len({e.peak_phase for e in ests}) != 1:
         return None, "the peak moves between phases"
     first, second, third = streams.written([p.stream for p in probes])
-    runs = streams.insertions(first, second)
+    # of the readings of the second copy as the first with runs inserted, the first whose runs inserted twice
+    # are the third's trace, event for event (or but for the setup order, below)
+    runs = streams.insertions(first, second, lambda r: streams.differs(streams.repeat(first, r, 2), third) != "other")
     if runs is None:
-        return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"
+        if streams.insertions(first, second) is None:
+            return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"
+        return None, f"the copy of {plan.depths[2]} blocks is not the first with the runs inserted twice"
     cuda = dev.kind == "cuda"
+    phases = {str(p): p for p in ests[2].phase_peaks}
 
-    def figures(stream):  # what the stream gives: the live peak, and on a GPU the allocator's two peaks
+    def figures(stream):  # what the stream gives: the live peak, each phase's, on a GPU the allocator's two peaks
         pre = [("cublas-workspace", dev.cublas_workspace_bytes)] if cuda else []
-        return (streams.peak(stream),) + (allocator.simulate(pre + streams.events(stream)) if cuda else ())
+        return (streams.peak(stream), streams.phase_peaks(stream, str(Phase.SETUP))) + \
+            (allocator.simulate(pre + streams.events(stream)) if cuda else ())
 
     written = streams.repeat(first, runs, 2)
     differs = streams.differs(written, third)  # event for event, which storage each free frees
-    if differs == "other":
-        return None, f"the copy of {plan.depths[2]} blocks is not the first with the runs inserted twice"
     got = figures(written)
-    want = (ests[2].peak_bytes,) + ((ests[2].peak_allocated_bytes, ests[2].peak_reserved_bytes) if cuda else ())
+    want = (ests[2].peak_bytes, {str(p): v for p, v in ests[2].phase_peaks.items()}) + \
+        ((ests[2].peak_allocated_bytes, ests[2].peak_reserved_bytes) if cuda else ())
     if got != want:
         return None, f"the third copy's figures {want} were written as {got}"
     steps = (plan.blocks - plan.depths[0]) // plan.period
@@ -257,15 +285,17 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
             values = [getattr(e, name) for e in ests]
             if values[0] is not None:
                 setattr(out, name, line(values, name))
-        for field in ("breakdown", "model_state_bytes", "phase_peaks"):
+        for field in ("breakdown", "model_state_bytes"):  # each phase's peak: from the stream (a copy of no
+            # layers peaks lower in backward than the line through the others: jamba's copies of 0, 8, 16)
             setattr(out, field, {k: line([getattr(e, field).get(k, 0) for e in ests], f"{field}[{k}]")
                                  for k in getattr(ests[2], field)})
     except _NotLinear as e:
         return None, f"{e.args[0]} is not linear in the blocks"
     if out.peak_bytes != whole[0]:
         return None, f"the peak's line ({out.peak_bytes}) and stream ({whole[0]}) differ"
+    out.phase_peaks = {phases[p]: v for p, v in whole[1].items()}
     if cuda:
-        out.peak_allocated_bytes, out.peak_reserved_bytes = whole[1:]
+        out.peak_allocated_bytes, out.peak_reserved_bytes = whole[2:]
         out.device_peak_bytes = ests[2].device_peak_bytes - ests[2].peak_reserved_bytes + out.peak_reserved_bytes
     if out.routing:
         out.routing = dict(out.routing, bound_peak_bytes=out.peak_bytes, bound_device_peak_bytes=out.device_peak_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from typing import Callable
 
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
@@ -116,11 +117,28 @@ def peak(stream: list[tuple]) -> int:
     return top
 
 
-def insertions(shallow: list[tuple], deeper: list[tuple]) -> list[tuple[int, list[tuple]]] | None:
-    """[(position in `shallow`, the run inserted there)] that make `deeper`; None unless `deeper` is exactly
-    `shallow` with runs inserted (nothing changed or left out). Greedy: where the streams part, the run
-    inserted is the one after which they agree longest (ties: the shortest), found by hashes of their
-    prefixes; difflib took minutes where a model loops over tokens (rwkv: 84,000 events in a 2-block copy)."""
+def phase_peaks(stream: list[tuple], first: str) -> dict[str, int]:
+    """The highest live total in each phase, as LiveBytes keeps them: from the total a phase begins with and
+    after each allocation in it; what comes before the first phase's mark is `first`'s."""
+    current, name, out = 0, first, {}
+    for t in stream:
+        if t[0] == 0:
+            name = t[2]
+        current += t[0]
+        if t[0] >= 0:
+            out[name] = max(out.get(name, current), current)
+    return out
+
+
+def insertions(shallow: list[tuple], deeper: list[tuple], accept: Callable[[list], bool] | None = None,
+               tries: int = 16) -> list[tuple[int, list[tuple]]] | None:
+    """[(position in `shallow`, the run inserted there)] that make `deeper` and that `accept` takes; None
+    unless `deeper` is exactly `shallow` with runs inserted (nothing changed or left out). Where the streams
+    part, the run inserted is first taken to be the one after which they agree longest (ties: the shortest),
+    found by hashes of their prefixes; difflib took minutes where a model loops over tokens (rwkv: 84,000
+    events in a 2-block copy). Runs can be read more than one way (a run of frees ending in one of the same
+    class as the token after it: split around it, or whole): where a reading leads nowhere or is not accepted,
+    the next best is tried, the latest parting first, `tries` readings in all."""
     extra = len(deeper) - len(shallow)
     if extra < 0:
         return None
@@ -128,30 +146,28 @@ def insertions(shallow: list[tuple], deeper: list[tuple]) -> list[tuple[int, lis
     first = {}  # token -> its positions in `deeper`
     for j, t in enumerate(deeper):
         first.setdefault(t, []).append(j)
-    runs: list[tuple[int, list[tuple]]] = []
-    i = j = 0
-    while True:
+    stack: list[tuple[int, int, tuple]] = [(0, 0, ())]  # (i, j, the (i, j, length) of the runs so far)
+    while stack and tries > 0:
+        i, j, runs = stack.pop()
         k = _agree(ha, i, hb, j)
         i, j = i + k, j + k
         if i == len(shallow):
-            if j < len(deeper):
-                runs.append((i, deeper[j:]))
-            break
+            out = [(at, deeper[b:b + n]) for at, b, n in runs + (((i, j, len(deeper) - j),) if j < len(deeper) else ())]
+            if repeat(shallow, out, 1) == deeper and (accept is None or accept(out)):
+                return out
+            tries -= 1
+            continue
         left = extra - (j - i)
         places = first.get(shallow[i], [])
-        lo = bisect_left(places, j + 1)
-        best, skip = 0, None
-        for at in places[lo:]:
+        options = []
+        for at in places[bisect_left(places, j + 1):]:
             if at - j > left:
                 break
-            agree = _agree(ha, i, hb, at)
-            if agree > best:
-                best, skip = agree, at - j
-        if skip is None:
-            return None
-        runs.append((i, deeper[j:j + skip]))
-        j += skip
-    return runs if repeat(shallow, runs, 1) == deeper else None
+            options.append((_agree(ha, i, hb, at), at - j))
+        options.sort(key=lambda o: (-o[0], o[1]))  # popped best first
+        stack += [(i, j + skip, runs + ((i, j, skip),)) for _, skip in reversed(options)]
+        tries -= not options
+    return None
 
 
 class _Prefixes:
