@@ -1,5 +1,6 @@
 """Many GPUs, estimated per rank in one process: FSDP2 `fully_shard` on a fake world (issue 12, first part)."""
 import contextlib
+import functools
 import json
 import math
 
@@ -206,6 +207,24 @@ def _train_and_gather(config: Config, steps: int, workload=None):
     return losses, weights
 
 
+@functools.cache
+def _one_process_run():
+    """The single-process run every layout below is compared with (3 steps at micro-batch 4 x 4): trained once."""
+    return _train_and_gather(Config(micro_batch=4, grad_accum=4), steps=3)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory):
+    """`memfit.train` of gpt-tiny on one process, global batch 16 at micro-batch 4, constant schedule, 4 steps: the
+    losses the runs across ranks are compared with, trained once. Under a constant rate a step's loss does not
+    depend on the run's length, so a 3-step run's losses are the first 3 of these."""
+    from memfit.runtime.run import train
+
+    one = train(builtin("gpt-tiny"), 4, 16, micro_batch=4, schedule="constant",
+                out=tmp_path_factory.mktemp("one-process") / "one", progress=False)
+    return [r["loss"] for r in one.metrics]
+
+
 @pytest.mark.parametrize("n,layout,chunks", [(2, "fsdp", 1), (4, "fsdp-no-reshard", 1), (2, "ddp", 1), (2, "fsdp", 3)])
 def test_training_on_ranks_equals_one_process(n, layout, chunks):
     """Each rank draws the same seeded global batch and keeps its rows; FSDP2 (or DDP) averages the
@@ -214,7 +233,7 @@ def test_training_on_ranks_equals_one_process(n, layout, chunks):
     resharding after forward (FSDP2's own choice for a root), so the head's weight is whole there too."""
     from truth import on_gloo_ranks
 
-    one_losses, one_weights = _train_and_gather(Config(micro_batch=4, grad_accum=4), steps=3)
+    one_losses, one_weights = _one_process_run()
     cfg = Config(micro_batch=4, grad_accum=16 // (4 * n), gpus=n, data_parallel=layout, loss_chunks=chunks)
     results = on_gloo_ranks(n, lambda rank: _train_and_gather(cfg, steps=3))
     for losses, weights in results:
@@ -263,15 +282,13 @@ def test_qlora_on_fsdp_ranks_shards_the_4bit_base_and_trains_as_one_process():
     assert est.peak_bytes == pytest.approx(lowest, rel=0.01)
 
 
-def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
+def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd, one_process_losses):
     """`memfit train --gpus 2` starts two ranks under torch's elastic agent, in this process (gloo); rank 0
     writes the run folder; this process keeps its own signal handlers and environment. Resumed on one process
     from its step-2 checkpoint (each rank's shards written by DCP and resharded to one process by it), the
     loss curve is the uninterrupted one-process run's."""
     import os
     import signal
-
-    from memfit.runtime.run import train
 
     common = ["gpt-tiny", "--global-batch", "16", "--micro-batch", "4", "--schedule", "constant", "--no-progress"]
     out = tmp_path / "ranks"
@@ -287,9 +304,8 @@ def test_cli_trains_on_two_ranks_and_the_run_resumes_on_one(tmp_path, capfd):
     capfd.readouterr()
     resumed = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
                if "loss" in line]
-    one = train(builtin("gpt-tiny"), 4, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
-                progress=False)
-    assert resumed == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
+    assert len(one_process_losses) == 4
+    assert resumed == pytest.approx(one_process_losses, rel=1e-5)
 
 
 def _save_after_steps(run_dir, config: Config, steps: int, folder_made_first: bool = False):
@@ -504,13 +520,11 @@ def workload():
 '''
 
 
-def test_an_oom_on_one_rank_restarts_every_rank_in_the_next_configuration(tmp_path, capfd):
+def test_an_oom_on_one_rank_restarts_every_rank_in_the_next_configuration(tmp_path, capfd, one_process_losses):
     """Rank 1 alone runs out of memory in step 1 while rank 0 waits in a collective. It records the next
     configuration of the ladder and exits; torchrun ends rank 0; `memfit train` starts both again with
     --resume: from the step-1 checkpoint, at micro-batch 2. The steps are logged once each, the OOM with
     step 1, and the losses are the one-process run's (the same math)."""
-    from memfit.runtime.run import train
-
     job = tmp_path / "oomjob.py"
     job.write_text(OOM_ON_RANK_1)
     out = tmp_path / "ranks"
@@ -525,9 +539,7 @@ def test_an_oom_on_one_rank_restarts_every_rank_in_the_next_configuration(tmp_pa
     assert [r["micro_batch"] for r in steps] == [4, 2, 2] and [r["grad_accum"] for r in steps] == [2, 4, 4]
     assert [len(r["events"]) for r in steps] == [0, 1, 0] and "going on with 2 GPUs fsdp, micro-batch 2 x 4" in steps[1]["events"][0]
     assert json.loads((out / "report.json").read_text())["oom_recoveries"] == 1
-    one = train(builtin("gpt-tiny"), 3, 16, micro_batch=4, schedule="constant", out=tmp_path / "one",
-                progress=False)
-    assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in one.metrics], rel=1e-5)
+    assert [r["loss"] for r in steps] == pytest.approx(one_process_losses[:3], rel=1e-5)
 
 
 def test_a_run_across_ranks_predicts_memory_without_calibrating_for_a_step_time(monkeypatch):
