@@ -246,9 +246,16 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
     if len({e.peak_phase for e in ests}) != 1:
         return None, "the peak moves between phases"
     first, second, third = streams.written([p.stream for p in probes])
-    # of the readings of the second copy as the first with runs inserted, the first whose runs inserted twice
-    # are the third's trace, event for event (or but for the setup order, below)
-    runs = streams.insertions(first, second, lambda r: streams.differs(streams.repeat(first, r, 2), third) != "other")
+    last: dict = {}
+
+    def bears_out(runs) -> bool:
+        """Whether the runs inserted twice are the third copy's trace, event for event (or but for the setup
+        order); what they write is kept."""
+        last["written"] = streams.repeat(first, runs, 2)
+        last["differs"] = streams.differs(last["written"], third)
+        return last["differs"] != "other"
+
+    runs = streams.insertions(first, second, bears_out)  # of the ways to read it, the first the third bears out
     if runs is None:
         if streams.insertions(first, second) is None:
             return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"
@@ -261,8 +268,7 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
         return (streams.peak(stream), streams.phase_peaks(stream, str(Phase.SETUP))) + \
             (allocator.simulate(pre + streams.events(stream)) if cuda else ())
 
-    written = streams.repeat(first, runs, 2)
-    differs = streams.differs(written, third)  # event for event, which storage each free frees
+    written, differs = last["written"], last["differs"]  # event for event, which storage each free frees
     got = figures(written)
     want = (ests[2].peak_bytes, {str(p): v for p, v in ests[2].phase_peaks.items()}) + \
         ((ests[2].peak_allocated_bytes, ests[2].peak_reserved_bytes) if cuda else ())
