@@ -683,8 +683,9 @@ def _add_estimate_command(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
     p.add_argument("--blocks", choices=("all", "auto"), default="all",
                    help="auto: a deep model's step counted from copies of 1, 2 and 3 blocks (of its layer pattern's "
-                        "period for a hybrid), checked against the third, where they hold at most half its blocks; "
-                        "no timeline or tensor list then (default: all, every block traced)")
+                        "period for a hybrid, or 0, 1 and 2 periods), checked against the third, where the copies, "
+                        "two at a time, hold at most half its blocks on a core and three quarters in all; no "
+                        "timeline or tensor list then (default: all, every block traced)")
     p.set_defaults(fn=cmd_estimate)
 
 
