@@ -32,7 +32,7 @@ from memfit.memory.tracker import Phase
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.workload import Workload
 
-__all__ = ["BLOCKS", "Plan", "estimate_blocks", "layer_plan"]
+__all__ = ["BLOCKS", "Counted", "Plan", "estimate_blocks", "layer_plan", "probe_blocks"]
 
 BLOCKS = ("auto", "all")  # --blocks: extrapolate where it applies (below), or trace every block
 # Extrapolate only where the copies, traced two at a time (the deepest beside the other two: _probes), hold at
@@ -160,18 +160,10 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
         raise ConfigError(f"blocks {blocks!r}: one of {', '.join(BLOCKS)}")
     dev = device if isinstance(device, Device) else get_device(device)
     config = config or Config(precision=defaults_for(dev).precision)
-    ck = config.activation_checkpoint
-    plan = layer_plan(workload, checkpoint=ck) if blocks == "auto" and config.world == 1 else None
+    plan = _layer_plan_for(workload, config) if blocks == "auto" else None
     if plan is None:
         return traced.estimate(workload, config, dev, isolate=isolate)
-    isolate = isolate and hasattr(os, "fork")
-    est, why, raised = _from_copies(workload, config, dev, plan, isolate)
-    deeper = layer_plan(workload, plan.depths[0] + 1, ck) if raised else None
-    if deeper is not None:  # a copy its own code refuses (dividing by its depth less 1): one try deeper
-        plan, tried = deeper, why
-        est, why, _ = _from_copies(workload, config, dev, plan, isolate)
-        if est is not None:
-            est.notes.append(f"copies one block shallower were tried first: {tried}")
+    est, why, plan = _counted(workload, config, dev, plan, isolate and hasattr(os, "fork"))
     if est is not None:
         return est
     full = traced.estimate(workload, config, dev, isolate=isolate)
@@ -222,18 +214,67 @@ def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate
 
 
 def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan,
-                 isolate: bool) -> tuple[Estimate | None, str, bool]:
+                 isolate: bool, probes_to: list | None = None) -> tuple[Estimate | None, str, bool]:
     """(the whole depth's estimate, "", False) from the three copies, or (None, why not, whether a copy's step
-    raised)."""
+    raised). `probes_to`: a list the copies' probes are put in."""
     try:
         probes = _probes(workload, config, dev, plan, isolate)
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
         return None, f"a copy's step raised: {first_line(e)}", True
+    if probes_to is not None:
+        probes_to.extend(probes)
     try:
         est, why = _extended(plan, probes, config, dev)
     except Exception as e:  # noqa: BLE001 - a stream this code cannot write: the whole model is traced instead
         return None, f"its streams could not be written: {first_line(e)}", False
     return est, why, False
+
+
+@dataclasses.dataclass
+class Counted:
+    """A counted estimate and what the planner prices it by: the three copies' op traces, and how many periods
+    the whole depth adds to the first (on one rank a step's time adds up op by op, so it is the first copy's
+    and `steps` times what one period more adds, as the linear figures are)."""
+    estimate: Estimate
+    ops: list
+    steps: int
+
+
+def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
+    """`layer_plan` for one rank's `config`: with checkpointing from copies of 2 blocks (a copy of one has no
+    repeated blocks to checkpoint)."""
+    ck = config.activation_checkpoint
+    return layer_plan(workload, 0 if ck in (None, "none") else 2, ck) if config.world == 1 else None
+
+
+def _counted(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
+             probes_to: list | None = None) -> tuple[Estimate | None, str, Plan]:
+    """`_from_copies`, and once more one block deeper where a copy's own code refused it (dividing by its depth
+    less 1; checkpointing a copy of one block): (the estimate or None, why not, the copies' plan)."""
+    est, why, raised = _from_copies(workload, config, dev, plan, isolate, probes_to)
+    deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if raised else None
+    if deeper is not None:
+        plan, tried = deeper, why
+        if probes_to is not None:
+            probes_to.clear()
+        est, why, _ = _from_copies(workload, config, dev, plan, isolate, probes_to)
+        if est is not None:
+            est.notes.append(f"copies one block shallower were tried first: {tried}")
+    return est, why, plan
+
+
+def probe_blocks(workload: Workload, config: Config, dev: Device, least_blocks: int = 1) -> Counted | None:
+    """The planner's counted estimate of `config` where extrapolating applies to a model of at least
+    `least_blocks` blocks and checks out; else None (the planner traces the whole model, as its step time
+    needs every op). Runs the copies in forked children."""
+    plan = _layer_plan_for(workload, config)
+    if plan is None or plan.blocks < least_blocks:
+        return None
+    probes: list = []
+    est, _, plan = _counted(workload, config, dev, plan, hasattr(os, "fork"), probes)
+    if est is None:
+        return None
+    return Counted(est, [p.ops for p in probes], (plan.blocks - plan.depths[0]) // plan.period)
 
 
 def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Estimate | None, str]:

@@ -33,6 +33,7 @@ from memfit.memory.fake import FakeBuild, new_fake_mode
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.memory.trace_cache import run_cached_many
 from memfit.memory.copies import depths, shallow, stack_depth
+from memfit.memory.extrapolate import probe_blocks
 from memfit.planner.model_parallel import model_parallel
 from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
                                       step_seconds)
@@ -1126,13 +1127,17 @@ def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, g
 
 
 def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
-    """A full estimate with its ops, in this process, with a long accumulation traced as two micro-steps:
-    from the second on, every micro-step is the same. On a CPU the rest of the global batch is added as
-    inputs, live all step."""
+    """A full estimate with its ops, with a long accumulation traced as two micro-steps: from the second on,
+    every micro-step is the same. A deep model (DEEP blocks or more) on one rank is counted from three shallow
+    copies in forked children where that checks out (memory/extrapolate.py: the same bytes), else traced whole
+    in this process. On a CPU the rest of the global batch is added as inputs, live all step."""
     accum = config.grad_accum
+    traced = config if accum <= 2 else config.replace(grad_accum=2)
+    counted = probe_blocks(workload, traced, dev, least_blocks=DEEP)
+    p = (probe(workload, traced, dev, isolate=False) if counted is None else
+         Probe(counted.estimate, counted.ops[-1], counted=(counted.ops, counted.steps)))
     if accum <= 2:
-        return probe(workload, config, dev, isolate=False)
-    p = probe(workload, config.replace(grad_accum=2), dev, isolate=False)
+        return p
     est = p.estimate
     if dev.kind == "cpu":
         extra = est.breakdown[Category.INPUTS] * (accum - 2) // 2
@@ -1144,8 +1149,14 @@ def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
 
 
 def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
-    """Step time of a full probe: its traced micro-steps stand for all `config.grad_accum` of them."""
-    return step_seconds(profile, p.ops, config.grad_accum / min(config.grad_accum, 2), comm_for(dev, config))
+    """Step time of a full probe: its traced micro-steps stand for all `config.grad_accum` of them; a counted
+    one's is the first copy's and its periods' more (one rank: no collectives to overlap)."""
+    scale, comm = config.grad_accum / min(config.grad_accum, 2), comm_for(dev, config)
+    if p.counted is None:
+        return step_seconds(profile, p.ops, scale, comm)
+    copies, steps = p.counted
+    first, second = (step_seconds(profile, ops, scale, comm) for ops in copies[:2])
+    return first + (second - first) * steps
 
 
 def price(workload: Workload, config: Config, device: str | Device = "cpu",
