@@ -10,7 +10,8 @@ A deep model (DEEP or more identical repeated blocks in one ModuleList) is probe
 that keep only their first few blocks (`depths`): what a step holds and does is affine in the number of
 identical blocks (their parameters, state, saved activations and ops each add the same amount), so the two copies
 predict the full depth at a small share of the cost (a 70B model's 80 blocks traced as 4 and 8). Only
-the ranking rests on that: every configuration offered is confirmed by a full estimate of the whole model.
+the ranking rests on that: every configuration offered is confirmed by a full estimate of the whole model
+(on one rank, counted from three shallow copies and checked event for event: memory/extrapolate.py).
 """
 from __future__ import annotations
 
@@ -631,7 +632,8 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     if depth:
         a, b = depths(s.gpus)
         s.notes.append(f"{s.workload.name}'s {depth} identical blocks probed as copies of {a} and {b} blocks, "
-                       "extended to the full depth; every plan offered is confirmed on the whole model")
+                       "extended to the full depth; every plan offered is confirmed on the whole model" +
+                       (" (counted from three copies where that checks out)" if s.gpus == 1 else ""))
     if s.bf16_pure_too:
         if any(floors.get(_state_key(b), 0) <= usable for b in bases
                if b.precision == "bf16" and not b.offload_optimizer):
