@@ -13,7 +13,7 @@ from memfit.cli import main
 from memfit.memory.devices import get_device
 from memfit.planner.costmodel import Profile, catalogue_profile, describe, step_seconds
 from memfit.memory.estimate import probe
-from memfit.memory.isolate import run_isolated_many
+from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.memory.tracker import OpTrace
 from memfit.planner.search import MARGIN, PlanError, max_micro_batch, plan, price, resolve_budget
 from memfit.workloads import builtin
@@ -549,6 +549,24 @@ def test_a_deep_model_is_predicted_from_two_shallow_copies():
         for m in (1, 8, 64):
             assert deep.memory(m, 2, cpu) == pytest.approx(whole.memory(m, 2, cpu), rel=0 if cpu else 0.01)
             assert deep.seconds(FLAT, m, 2) == pytest.approx(whole.seconds(FLAT, m, 2), rel=1e-6)
+
+
+def test_a_deep_models_candidate_is_confirmed_counted_from_copies_with_the_whole_traces_figures():
+    """On one GPU a candidate of a model of DEEP blocks or more is confirmed by the estimate counted from three
+    shallow copies: the whole trace's bytes (the allocator's reserved peak included) and its step time (to float
+    rounding: summed copy by copy), said in its notes."""
+    from memfit.planner.search import DEEP, _seconds, full_probe
+
+    wl, dev = builtin("gpt-tiny", layers=DEEP), get_device("h100")
+    config = Config(micro_batch=2, grad_accum=4, precision="bf16")
+    counted = run_isolated(functools.partial(full_probe, wl, config, dev))
+    whole = run_isolated(functools.partial(probe, wl, config.replace(grad_accum=2), dev, isolate=False))
+    assert counted.counted is not None and counted.estimate.extrapolated_from == (3, DEEP)
+    for field in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes", "breakdown",
+                  "phase_peaks", "flops", "parameters"):
+        assert getattr(counted.estimate, field) == getattr(whole.estimate, field), field
+    assert _seconds(FLAT, counted, config, dev) == pytest.approx(_seconds(FLAT, whole, config, dev), rel=1e-9)
+    assert any(n.startswith(f"extrapolated from 3 of {DEEP} blocks") for n in counted.estimate.notes)
 
 
 def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
