@@ -109,7 +109,8 @@ class Probe:
     stage_ops: list | None = None  # a pipeline: every stage's ops, stage 0 first (`ops` is the highest peak's)
     handoff_bytes: int = 0         # a pipeline: the hidden state a stage sends on for one micro-batch
     stream: list | None = None     # with KEEP_STREAMS: the allocation stream (streams.tokens), for extrapolate.py
-    counted: tuple | None = None   # counted from copies (extrapolate.Counted): their op traces, the periods added
+    counted: tuple | None = None   # counted from copies (extrapolate.Counted): the first two's ops, the periods
+                                   # added (`ops` is then the deepest copy's)
 
     @property
     def micro_batch(self) -> int:

@@ -163,9 +163,9 @@ def estimate_blocks(workload: Workload, config: Config | None = None, device: st
     plan = _layer_plan_for(workload, config) if blocks == "auto" else None
     if plan is None:
         return traced.estimate(workload, config, dev, isolate=isolate)
-    est, why, plan = _counted(workload, config, dev, plan, isolate and hasattr(os, "fork"))
-    if est is not None:
-        return est
+    counted, why, plan = _counted(workload, config, dev, plan, isolate and hasattr(os, "fork"))
+    if counted is not None:
+        return counted.estimate
     full = traced.estimate(workload, config, dev, isolate=isolate)
     full.notes.append(f"traced whole: its copies of {', '.join(map(str, plan.depths))} blocks did not extend "
                       f"exactly ({why})")
@@ -213,31 +213,33 @@ def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate
     return [by_depth[i] for i in range(len(plan.depths))]
 
 
+@dataclasses.dataclass
+class Counted:
+    """A counted estimate and what the planner prices it by: the first two copies' op traces, and how many
+    periods the whole depth adds to the first (on one rank a step's time adds up op by op, so it is the first
+    copy's and `steps` times what one period more adds, as the linear figures are); `ops`: the deepest copy's."""
+    estimate: Estimate
+    copies: list
+    steps: int
+    ops: object
+
+
 def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan,
-                 isolate: bool, probes_to: list | None = None) -> tuple[Estimate | None, str, bool]:
-    """(the whole depth's estimate, "", False) from the three copies, or (None, why not, whether a copy's step
-    raised). `probes_to`: a list the copies' probes are put in."""
+                 isolate: bool) -> tuple[Counted | None, str, bool]:
+    """(the whole depth counted, "", False) from the three copies, or (None, why not, whether a copy's step
+    raised)."""
     try:
         probes = _probes(workload, config, dev, plan, isolate)
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
         return None, f"a copy's step raised: {first_line(e)}", True
-    if probes_to is not None:
-        probes_to.extend(probes)
     try:
         est, why = _extended(plan, probes, config, dev)
     except Exception as e:  # noqa: BLE001 - a stream this code cannot write: the whole model is traced instead
         return None, f"its streams could not be written: {first_line(e)}", False
-    return est, why, False
-
-
-@dataclasses.dataclass
-class Counted:
-    """A counted estimate and what the planner prices it by: the three copies' op traces, and how many periods
-    the whole depth adds to the first (on one rank a step's time adds up op by op, so it is the first copy's
-    and `steps` times what one period more adds, as the linear figures are)."""
-    estimate: Estimate
-    ops: list
-    steps: int
+    if est is None:
+        return None, why, False
+    steps = (plan.blocks - plan.depths[0]) // plan.period
+    return Counted(est, [p.ops for p in probes[:2]], steps, probes[2].ops), "", False
 
 
 def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
@@ -247,20 +249,18 @@ def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
     return layer_plan(workload, 0 if ck in (None, "none") else 2, ck) if config.world == 1 else None
 
 
-def _counted(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
-             probes_to: list | None = None) -> tuple[Estimate | None, str, Plan]:
+def _counted(workload: Workload, config: Config, dev: Device, plan: Plan,
+             isolate: bool) -> tuple[Counted | None, str, Plan]:
     """`_from_copies`, and once more one block deeper where a copy's own code refused it (dividing by its depth
-    less 1; checkpointing a copy of one block): (the estimate or None, why not, the copies' plan)."""
-    est, why, raised = _from_copies(workload, config, dev, plan, isolate, probes_to)
+    less 1; checkpointing a copy of one block): (the count or None, why not, the copies' plan)."""
+    counted, why, raised = _from_copies(workload, config, dev, plan, isolate)
     deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if raised else None
     if deeper is not None:
         plan, tried = deeper, why
-        if probes_to is not None:
-            probes_to.clear()
-        est, why, _ = _from_copies(workload, config, dev, plan, isolate, probes_to)
-        if est is not None:
-            est.notes.append(f"copies one block shallower were tried first: {tried}")
-    return est, why, plan
+        counted, why, _ = _from_copies(workload, config, dev, plan, isolate)
+        if counted is not None:
+            counted.estimate.notes.append(f"copies one block shallower were tried first: {tried}")
+    return counted, why, plan
 
 
 def probe_blocks(workload: Workload, config: Config, dev: Device, least_blocks: int = 1) -> Counted | None:
@@ -270,11 +270,7 @@ def probe_blocks(workload: Workload, config: Config, dev: Device, least_blocks: 
     plan = _layer_plan_for(workload, config)
     if plan is None or plan.blocks < least_blocks:
         return None
-    probes: list = []
-    est, _, plan = _counted(workload, config, dev, plan, hasattr(os, "fork"), probes)
-    if est is None:
-        return None
-    return Counted(est, [p.ops for p in probes], (plan.blocks - plan.depths[0]) // plan.period)
+    return _counted(workload, config, dev, plan, hasattr(os, "fork"))[0]
 
 
 def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Estimate | None, str]:

@@ -1137,7 +1137,7 @@ def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
     traced = config if accum <= 2 else config.replace(grad_accum=2)
     counted = probe_blocks(workload, traced, dev, least_blocks=DEEP)
     p = (probe(workload, traced, dev, isolate=False) if counted is None else
-         Probe(counted.estimate, counted.ops[-1], counted=(counted.ops, counted.steps)))
+         Probe(counted.estimate, counted.ops, counted=(counted.copies, counted.steps)))
     if accum <= 2:
         return p
     est = p.estimate
@@ -1157,7 +1157,7 @@ def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
     if p.counted is None:
         return step_seconds(profile, p.ops, scale, comm)
     copies, steps = p.counted
-    first, second = (step_seconds(profile, ops, scale, comm) for ops in copies[:2])
+    first, second = (step_seconds(profile, ops, scale, comm) for ops in copies)
     return first + (second - first) * steps
 
 
