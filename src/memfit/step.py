@@ -189,6 +189,14 @@ class TrainStep:
         holder = self.optimizer_offload or (self.optimizer if self.config.paged_optimizer else None)
         return holder.host_tensors() if holder is not None else []
 
+    def kept_gradients(self) -> list[torch.Tensor]:
+        """The gradients each micro-step after the first adds its own into: the host's fp32 copies under
+        optimizer offload, else the parameters' own (none with the optimizer step in backward)."""
+        if self.in_backward is not None:
+            return []
+        held = self.optimizer_offload.master if self.optimizer_offload is not None else self.model.parameters()
+        return [g for g in {id(p): p.grad for p in held}.values() if g is not None and not g.is_sparse]
+
     def _offload_hooks(self):
         return self.activation_offload.hooks() if self.activation_offload else contextlib.nullcontext()
 

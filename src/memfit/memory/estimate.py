@@ -560,8 +560,14 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     def pack(t):
         saved.update(tracker.uid(x) for x in held_by(t))
 
+    ops = recorder.trace
+
     def on_phase(phase: str) -> None:
         tracker.mark(phase)
+        if phase == "forward" and recorder.phase != Phase.FORWARD:  # a micro-step begins
+            ops.micro_steps.append((len(ops), step.moved_bytes))
+        elif phase == "optimizer":
+            ops.optimizer_at = (len(ops), step.moved_bytes)
         recorder.mark(phase)
 
     step.on_phase = on_phase
@@ -590,7 +596,11 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     model_state = {c: sum(n for k, n in tracker.live.items() if labels.get(k) == c) for c in MODEL_STATE}
     n_params = weight_count(step.model)
     est = _summarise(workload, step.config, dev, tracker, recorder, labels, model_state, n_params, notes)
-    est.moved_bytes = recorder.trace.moved_bytes = step.moved_bytes
+    est.moved_bytes = ops.moved_bytes = step.moved_bytes
+    if step.config.world == 1 and step.pipeline is None:  # (across ranks, later micro-steps are priced as the first)
+        ops.accumulate = [(3 * g.numel() * g.element_size(), "host" if step.optimizer_offload is not None else
+                           "lp" if g.dtype in (torch.bfloat16, torch.float16) else "f32")
+                          for g in step.kept_gradients()]
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)

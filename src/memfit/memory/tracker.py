@@ -543,6 +543,12 @@ class OpTrace:
     phase: list = dataclasses.field(default_factory=list)
     name: list = dataclasses.field(default_factory=list)    # aten op without overload: some are priced by name
     moved_bytes: int = 0                                    # host <-> device bytes of offloading, in one step
+    # each micro-step's first op and the bytes moved before it; the optimizer step's (None: not marked)
+    micro_steps: list = dataclasses.field(default_factory=list)
+    optimizer_at: tuple | None = None
+    # one rank's add_ of each gradient into the one kept, which every micro-step after the first makes (bytes
+    # read + written, kind): what a trace of one micro-step lacks for pricing an accumulation
+    accumulate: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.kind)

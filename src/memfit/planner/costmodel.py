@@ -153,6 +153,13 @@ class OpTable:
         self.collective = torch.tensor([_collective(n) if k == "comm" else 0 for n, k in zip(names, ops.kind)],
                                        dtype=torch.int8)
 
+    def rows(self, start: int, stop: int) -> "OpTable":
+        """The table of the ops from `start` up to `stop` (one micro-step's)."""
+        out = object.__new__(OpTable)
+        for field in ("flops", "bytes", "alloc", "kind", "phase", "cls", "collective"):
+            setattr(out, field, getattr(self, field)[start:stop])
+        return out
+
     def mask(self, phases: tuple[str, ...]) -> torch.Tensor:
         m = torch.zeros_like(self.phase, dtype=torch.bool)
         for p in phases:
@@ -207,17 +214,45 @@ def phase_seconds(profile: Profile, table: OpTable, phases: tuple[str, ...], flo
     return device + host_s + int(host.sum()) * hp.op_overhead
 
 
-def step_seconds(profile: Profile, ops: OpTrace, micro_steps: float = 1.0, comm: "Comm | None" = None) -> float:
-    """Predicted wall time of the traced step; `micro_steps` scales its forward/backward part (a trace of
-    two micro-steps stands for an accumulation of many). `comm`: the step's collectives across ranks."""
+def step_seconds(profile: Profile, ops: OpTrace, micro_steps: int = 1, comm: "Comm | None" = None) -> float:
+    """Predicted wall time of a step of `micro_steps` micro-steps from its trace, which may hold fewer: the
+    traced micro-steps first, the last one traced repeating for the rest (from the second on, each adds its
+    gradients into those kept, which the first only makes: a trace of one adds that work, `OpTrace.accumulate`).
+    The bytes offloading moves are counted the same way, the optimizer step's once. `comm`: the step's
+    collectives across ranks, overlapped within each micro-step."""
     table = OpTable(ops)
-    t = phase_seconds(profile, table, ("forward", "backward"))
-    if comm is not None:
-        t = comm.overlapped(t, table)
-    t = micro_steps * t + phase_seconds(profile, table, ("optimizer", "setup"))
-    if profile.kind == "cuda" and ops.moved_bytes:
-        t += micro_steps * ops.moved_bytes / profile.link_bandwidth
+    marks = ops.micro_steps or [(0, 0)]
+    end, moved_end = ops.optimizer_at or (len(ops), ops.moved_bytes)
+    times, moved = [], []
+    for (start, before), (stop, after) in zip(marks, [*marks[1:], (end, moved_end)]):
+        part = table.rows(start, stop)
+        t = phase_seconds(profile, part, ("forward", "backward"))
+        times.append(comm.overlapped(t, part) if comm is not None else t)
+        moved.append(after - before)
+    more = max(micro_steps - len(times), 0)
+    t = sum(times) + more * times[-1]
+    if len(times) == 1 and micro_steps > 1:
+        t += (micro_steps - 1) * accumulation_seconds(profile, ops)
+    t += phase_seconds(profile, table, ("optimizer", "setup"))
+    if profile.kind == "cuda":
+        t += (sum(moved) + more * moved[-1] + ops.moved_bytes - moved_end) / profile.link_bandwidth
     return t
+
+
+def accumulation_seconds(profile: Profile, ops: OpTrace) -> float:
+    """What each micro-step after the first adds to a one-micro-step trace: an add_ of each gradient into the
+    one kept (`OpTrace.accumulate`). On the device an add takes the place of the first micro-step's taking
+    the gradient over (a view, dispatched as well): only its kernel time is added. On the host (optimizer
+    offload) it is new work, dispatch included."""
+    def table(rows: list) -> OpTable:
+        n = len(rows)
+        return OpTable(OpTrace(flops=[0] * n, bytes=[b for b, _ in rows], alloc=[0] * n, kind=[k for _, k in rows],
+                               phase=["backward"] * n, name=["add_"] * n))
+
+    device = table([r for r in ops.accumulate if r[1] != "host"])
+    host = [r for r in ops.accumulate if r[1] == "host"]
+    busy = _device_seconds(profile, device.flops, device.bytes, device.alloc, device.kind, device.cls)
+    return float(busy.sum()) + (phase_seconds(profile, table(host), ("backward",)) if host else 0.0)
 
 
 def _collective(name: str) -> int:

@@ -182,7 +182,7 @@ def _seconds(s, cfg: Config, traced: dict, rates, speeds) -> float:
     if cfg.pp > 1:
         return pipeline_seconds(rates, traced["ops"], cfg.grad_accum, comm_for(s.dev, cfg),
                                 _wait(cfg, traced["handoff_bytes"], speeds), cfg.pp_schedule, cfg.pp_virtual)
-    return step_seconds(rates, traced["ops"][0], cfg.grad_accum / min(cfg.grad_accum, 2), comm_for(s.dev, cfg))
+    return step_seconds(rates, traced["ops"][0], cfg.grad_accum, comm_for(s.dev, cfg))
 
 
 def _confirm(s, candidates: list[Split], verdicts: list, rates, speeds) -> Split | None:

@@ -36,8 +36,8 @@ from memfit.memory.trace_cache import run_cached_many
 from memfit.memory.copies import depths, shallow, stack_depth
 from memfit.memory.extrapolate import probe_blocks
 from memfit.planner.model_parallel import model_parallel
-from memfit.planner.costmodel import (Comm, OpTable, Profile, comm_for, describe, phase_seconds, profile_for,
-                                      step_seconds)
+from memfit.planner.costmodel import (Comm, OpTable, Profile, accumulation_seconds, comm_for, describe, phase_seconds,
+                                      profile_for, step_seconds)
 from memfit.units import fmt_bytes, parse_size
 from memfit.workload import Workload
 
@@ -194,8 +194,14 @@ class _Family:
         if comm is not None:  # parameter-sized collectives: the same at every micro-batch
             micro = comm.overlapped(micro, t2)
         rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
-        moved = self.line.at(o1.moved_bytes, o2.moved_bytes, m) if profile.kind == "cuda" else 0.0
-        return accum * micro + rest + accum * moved / profile.link_bandwidth
+        if accum > 1:  # each later micro-step adds its gradients into those kept
+            rest += (accum - 1) * accumulation_seconds(profile, o2)
+        if profile.kind != "cuda":
+            return accum * micro + rest
+        # offloading's bytes: each micro-step's (at micro-batch m), and the optimizer step's once
+        (_, at1), (_, at2) = (o.optimizer_at or (0, o.moved_bytes) for o in (o1, o2))
+        moved = accum * self.line.at(at1, at2, m) + self.line.at(o1.moved_bytes - at1, o2.moved_bytes - at2, m)
+        return accum * micro + rest + moved / profile.link_bandwidth
 
 
 @dataclasses.dataclass
@@ -1153,11 +1159,11 @@ def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
 def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
     """Step time of a full probe: its traced micro-steps stand for all `config.grad_accum` of them; a counted
     one's is the first copy's and its periods' more (one rank: no collectives to overlap)."""
-    scale, comm = config.grad_accum / min(config.grad_accum, 2), comm_for(dev, config)
+    accum, comm = config.grad_accum, comm_for(dev, config)
     if p.counted is None:
-        return step_seconds(profile, p.ops, scale, comm)
+        return step_seconds(profile, p.ops, accum, comm)
     copies, steps = p.counted
-    first, second = (step_seconds(profile, ops, scale, comm) for ops in copies)
+    first, second = (step_seconds(profile, ops, accum, comm) for ops in copies)
     return first + (second - first) * steps
 
 
