@@ -610,15 +610,54 @@ def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
 def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_searched():
     """gpt-small at seq 128: bf16 autocast with optimizer offload keeps fp32 weights on the GPU (1.44 GiB with
     the context); bf16-pure with optimizer offload keeps bf16 ones (0.88 GiB) and fp32 master weights and
-    optimizer state on the host. At 1.2 GiB only the second fits; the plan finds it without being told."""
-    wl = builtin("gpt-small", seq=128)
-    p = plan(wl, 2, device="h100", budget="1.2GiB", micro_batch=1, activation_checkpoint="all",
+    optimizer state on the host. At 1.2 GiB only the second fits; the plan finds it without being told.
+    Where bf16-pure is searched, autocast with optimizer offload is not traced beside its bf16-pure twin: the
+    twin holds less and runs faster. The dominance, checked on the pair traced: at every micro-batch and
+    accumulation, less memory and less time."""
+    from memfit.memory.estimate import probe_pair
+    from memfit.planner.search import _Family
+    wl, dev = builtin("gpt-small", seq=128), get_device("h100")
+    p = plan(wl, 2, device=dev, budget="1.2GiB", micro_batch=1, activation_checkpoint="all",
              offload_activations=False)
     assert (p.config.precision, p.config.offload_optimizer) == ("bf16-pure", True)
     verdicts = dict(p.families)
-    assert verdicts["bf16, activation checkpointing all, optimizer offload"].startswith("does not fit")
+    assert verdicts["bf16, activation checkpointing all, optimizer offload"].startswith("not traced: its bf16-pure")
     assert any("bf16-pure searched" in n and "with optimizer offload, fp32 master weights" in n for n in p.notes)
-    assert p.estimate.device_peak_bytes <= resolve_budget("1.2GiB", get_device("h100"))
+    assert p.estimate.device_peak_bytes <= resolve_budget("1.2GiB", dev)
+    autocast = Config(precision="bf16", activation_checkpoint="all", offload_optimizer=True)
+    pair = [autocast, autocast.replace(precision="bf16-pure")]
+    (k1, v1), (k2, v2) = run_isolated_many([functools.partial(probe_pair, wl, c, dev) for c in pair])
+    assert k1 == k2 == "ok"
+    auto, pure = _Family(pair[0], *v1), _Family(pair[1], *v2)
+    rates = catalogue_profile(dev)
+    for m, accum in ((1, 8), (2, 4), (8, 1)):
+        assert pure.memory(m, accum, False) < auto.memory(m, accum, False)
+        assert pure.seconds(rates, m, accum) < auto.seconds(rates, m, accum)
+        assert pure.host() <= auto.host()
+
+
+def test_a_family_that_differs_only_in_its_optimizer_is_traced_only_where_it_may_beat_the_plan(monkeypatch):
+    """8-bit optimizer states change only the optimizer step: such a family's forward and backward are its
+    plain sibling's. It is traced after the plain families' plan is confirmed, and only where the sibling's
+    forward and backward alone (where the smaller state may fit) could beat that plan. The plan is the one
+    the search tracing every family finds, and each family left out is as slow as its verdict says, or
+    slower."""
+    import re
+    from memfit.planner import search
+    wl = builtin("gpt-tiny")
+    options = dict(device="h100", allow=["8bit-optim"], offload_activations=False, offload_optimizer=False)
+    p = plan(wl, 8, **options)
+    left = {f: float(re.search(r"at least ([0-9.e+-]+) s", v).group(1)) for f, v in p.families
+            if v.startswith("not traced: at least")}
+    traced = [f for f, v in p.families if "8-bit" in f and not v.startswith("not traced")]
+    assert left and traced
+    monkeypatch.setattr(search, "_siblings", lambda s, bases: {})
+    every = plan(wl, 8, **options)
+    assert (every.config, every.peak_bytes, every.step_seconds) == (p.config, p.peak_bytes, p.step_seconds)
+    for family, verdict in every.families:
+        if family in left:
+            ratio = re.match(r"fits, ([0-9.]+)x slower", verdict)
+            assert ratio is None or float(ratio.group(1)) * every.step_seconds >= left[family] * 0.995, verdict
 
 
 def test_a_model_without_low_precision_kernels_is_planned_in_fp32():

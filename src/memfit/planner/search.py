@@ -182,14 +182,26 @@ class _Family:
         """Host memory the step needs beyond the batch (offloaded master weights, gradients, optimizer state)."""
         return self.probes[1].estimate.host_peak_bytes or 0
 
+    def gradient_bytes(self) -> int:
+        e2 = self.probes[1].estimate
+        return e2.model_state_bytes[Category.GRADIENTS] or e2.breakdown[Category.GRADIENTS]
+
+    def _scaled(self, m: int) -> tuple:
+        """The second probe's op table and its FLOPs, bytes and fresh allocations at micro-batch m."""
+        if self._tables is None:
+            self._tables = _aligned(*(p.ops for p in self.probes), self.sizes)
+        (flops1, bytes1, alloc1), t2 = self._tables
+        return t2, *(self.line.at(a, b, m).clamp(min=0) for a, b in ((flops1, t2.flops), (bytes1, t2.bytes),
+                                                                     (alloc1, t2.alloc)))
+
+    def forward_backward_seconds(self, profile: Profile, m: int) -> float:
+        """One micro-step's forward and backward at micro-batch m, collectives left out."""
+        t2, flops, nbytes, alloc = self._scaled(m)
+        return phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
+
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         o1, o2 = (p.ops for p in self.probes)
-        if self._tables is None:
-            self._tables = _aligned(o1, o2, self.sizes)
-        (flops1, bytes1, alloc1), t2 = self._tables
-        flops = self.line.at(flops1, t2.flops, m).clamp(min=0)
-        nbytes = self.line.at(bytes1, t2.bytes, m).clamp(min=0)
-        alloc = self.line.at(alloc1, t2.alloc, m).clamp(min=0)
+        t2, flops, nbytes, alloc = self._scaled(m)
         micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
         if comm is not None:  # parameter-sized collectives: the same at every micro-batch
             micro = comm.overlapped(micro, t2)
@@ -247,6 +259,13 @@ class _DeepFamily:
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
         return self._extend(self.short.seconds(profile, m, accum, comm), self.tall.seconds(profile, m, accum, comm))
+
+    def forward_backward_seconds(self, profile: Profile, m: int) -> float:
+        return self._extend(self.short.forward_backward_seconds(profile, m),
+                            self.tall.forward_backward_seconds(profile, m))
+
+    def gradient_bytes(self) -> float:
+        return self._extend(self.short.gradient_bytes(), self.tall.gradient_bytes())
 
 
 @dataclasses.dataclass
@@ -414,6 +433,7 @@ class _Search:
     verdicts: list = dataclasses.field(default_factory=list)       # [(family, verdict)]: Plan.families
     smallest_need: dict = dataclasses.field(default_factory=dict)  # family: the least memory it was found to need
     host_need: dict = dataclasses.field(default_factory=dict)      # family over host_bytes: the host memory it needs
+    deep: bool = False  # probed as shallow copies (_floors): one rank's candidates are confirmed counted
 
     @property
     def usable(self) -> int:
@@ -493,11 +513,9 @@ def plan(workload: Workload, global_batch: int, budget=None, device: str | Devic
             raise ConfigError(f"{split_only}; no tensor-parallel or pipeline layout fits either: {s.notes[-1]}")
         return found
     bases, floors, depth = _floors(s, _search_space(s, layouts))
-    families, failed = _probes(s, bases, floors, depth, traced)
+    families, failed, candidates, confirmed = _rounds(s, bases, floors, depth, traced, confirm)
     if failed and not families:
         return _all_raised(s, failed, dict(options, traced=traced, allow=allow))
-    candidates = _candidates(s, families)
-    confirmed = _confirm(s, candidates, confirm)
     if not confirmed and s.gpus > 1 and not s.cpu and s.data_parallel in (None, "fsdp"):
         found = _split_plan(s, "; ".join(_nothing_hints(s, families, untried=False)), families)
         if found is not None:
@@ -636,6 +654,7 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
     if depth:
+        s.deep = True
         a, b = depths(s.gpus)
         s.notes.append(f"{s.workload.name}'s {depth} identical blocks probed as copies of {a} and {b} blocks, "
                        "extended to the full depth; every plan offered is confirmed on the whole model" +
@@ -679,6 +698,108 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     return bases, floors, depth
 
 
+def _rounds(s: _Search, bases: list[Config], floors: dict, depth: int | None, traced: dict | None,
+            confirm: int) -> tuple[dict, list, list, list]:
+    """The families traced (_probes), their candidates and those confirmed, in up to three rounds:
+    1. every family but those below, its fastest candidates confirmed;
+    2. the families that differ from a plain one of round 1 only in their optimizer (_siblings): traced
+       only where a bound from the plain one may beat the plan of round 1 (_beaten);
+    3. bf16 autocast with optimizer offload beside its bf16-pure twin (_dominated): only where the twin raised.
+    Every family left untraced gets a verdict saying why."""
+    twins = _dominated(s, bases)
+    siblings = _siblings(s, [b for b in bases if b not in twins]) if confirm and traced is None else {}
+    families, failed = _probes(s, [b for b in bases if b not in twins and b not in siblings], floors, depth, traced)
+    candidates = _candidates(s, families) if families else []
+    confirmed = _confirm(s, candidates, confirm) if candidates else []
+    bound = confirmed[0].step_seconds if confirmed else math.inf
+    second = []
+    for base in _paired(s, siblings):
+        why = _beaten(s, base, siblings, families, floors, bound)
+        if why is None:
+            second.extend(base)
+        else:
+            s.verdicts.extend((_family_name(b), why) for b in base)
+    more, raised = _probes(s, second, floors, depth, None)
+    failed += raised
+    third = [b for b, twin in twins.items() if twin in {f for f, _ in failed}]
+    for base, twin in twins.items():
+        if base not in third:
+            s.verdicts.append((_family_name(base), "not traced: its bf16-pure twin, searched, holds less and runs "
+                                                   "faster (bf16 weights on the GPU, no casts, half the gradient "
+                                                   "bytes to the host)"))
+    last, raised = _probes(s, third, floors, depth, None)
+    failed += raised
+    more.update(last)
+    if more:
+        candidates += _candidates(s, more)  # (it drops families that cannot be used)
+        families.update(more)
+        candidates.sort(key=lambda c: c.step_seconds)
+        confirmed = _confirm(s, candidates, confirm)
+    return families, failed, candidates, confirmed
+
+
+def _siblings(s: _Search, bases: list[Config]) -> dict[Config, Config]:
+    """{family: its plain sibling} for the families that differ from another searched only in their optimizer
+    (8-bit or paged states, optimizer offload), on one GPU: their forward and backward are the sibling's ops
+    (offload adds host work), their state is smaller by what the state floors say."""
+    if s.gpus != 1:
+        return {}
+    present = set(bases)
+    plain = {b: b.replace(optimizer_8bit=False, paged_optimizer=False, offload_optimizer=False) for b in bases
+             if b.optimizer_8bit or b.offload_optimizer}
+    return {b: p for b, p in plain.items() if p in present}
+
+
+def _paired(s: _Search, siblings: dict) -> list[tuple]:
+    """The siblings, those without checkpointing and with every block checkpointed in one pair where the plan
+    interpolates checkpointing every k-th block between them (_every_k): both are traced, or neither."""
+    groups, seen = [], set()
+    for b in siblings:
+        if b in seen:
+            continue
+        other = b.replace(activation_checkpoint="all" if b.activation_checkpoint == "none" else "none")
+        pair = (b.activation_checkpoint in ("none", "all") and b.loss_chunks == 1 and other in siblings
+                and s.activation_checkpoint is None)
+        groups.append((b, other) if pair else (b,))
+        seen.update(groups[-1])
+    return groups
+
+
+def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: dict, bound: float) -> str | None:
+    """Why the sibling families of `group` cannot beat `bound` (the step seconds of round 1's plan), or None
+    where they may. At each micro-batch, a lower bound from the plain family: its forward and backward time
+    (a sibling's are the same ops, or more under offload) plus, with optimizer offload on a GPU, the link time
+    of every gradient to the host each micro-step and every weight back once; where it may fit, by the plain
+    family's forward and backward peaks less what the sibling's smaller state saves (state floors)."""
+    plains = [families.get(siblings[b]) for b in group]
+    if any(p is None for p in plains) or not math.isfinite(bound):
+        return None
+    rates, cuda = s.rates(), s.dev.kind == "cuda"
+    best = math.inf  # the least time a micro-batch that may fit gives
+    for m in _sizes(s, group[0], plains[0]):
+        accum = s.per_rank // m
+        need = seconds = math.inf
+        for b, p in zip(group, plains):
+            phases = p.phases(m, accum)
+            saved = floors.get(_state_key(siblings[b]), 0) - floors.get(_state_key(b), 0)
+            need = min(need, max(phases[Phase.FORWARD], phases[Phase.BACKWARD]) - saved)
+            t = accum * p.forward_backward_seconds(rates, m)
+            if b.offload_optimizer and cuda:
+                t += (accum + 1) * p.gradient_bytes() / rates.link_bandwidth
+            seconds = min(seconds, t)
+        if need <= s.usable:
+            best = min(best, seconds)
+    if best < bound:
+        return None
+    plain = _family_name(siblings[group[0]])
+    if not math.isfinite(best):
+        return (f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less "
+                "the state it saves")
+    moved = " and the bytes optimizer offload moves" if group[0].offload_optimizer and cuda else ""
+    return (f"not traced: at least {best:.3g} s a step at any micro-batch that may fit ({plain}'s forward and "
+            f"backward{moved}), no faster than the plan's {bound:.3g} s")
+
+
 def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
             traced: dict | None) -> tuple[dict, list]:
     """Each base's family (two probes), as {base: family}, and the bases whose tracing raised, as [(base,
@@ -705,6 +826,19 @@ def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
                                                           "probing, with the optimizer step in backward,")):
         _take(s, families, failed, base, kind, value)
     return families, failed
+
+
+def _dominated(s: _Search, bases: list[Config]) -> dict[Config, Config]:
+    """Where bf16-pure is searched (bf16 autocast's own state does not fit), each bf16 autocast family with
+    optimizer offload and its bf16-pure twin with the same techniques, searched too: both keep fp32 master
+    weights and optimizer state on the host, and the twin holds bf16 weights on the GPU where autocast holds
+    fp32 ones and their bf16 casts, runs no casts, and moves half the gradient bytes. Only traced if the twin
+    raises (tests/test_planner.py checks the dominance on a traced pair)."""
+    if not any(b.precision == "bf16-pure" for b in bases):
+        return {}
+    present = set(bases)
+    return {b: b.replace(precision="bf16-pure") for b in bases if b.precision == "bf16" and b.offload_optimizer
+            and b.replace(precision="bf16-pure") in present}
 
 
 def _take(s: _Search, families: dict, failed: list, base: Config, kind: str, value) -> None:
@@ -818,12 +952,14 @@ def _confirm(s: _Search, candidates: list[Candidate], confirm: int) -> list[Cand
     the fastest confirmed is at least as fast as every prediction left, no more are confirmed: none of them
     could be chosen (the rest stay alternatives, predicted). `confirm` 0: the best prediction, said to be one.
     If every candidate raised, the first error is raised: "nothing fits" would be wrong."""
-    confirmed: list[Candidate] = []
+    confirmed = [c for c in candidates if c.confirmed]  # (by an earlier round)
     raised: list[Exception] = []
-    queue = list(candidates)
+    queue = [c for c in candidates if not c.confirmed]
+    # a counted confirmation keeps both cores busy with its copies: one at a time, each maybe the last needed
+    at_once = 1 if s.deep and s.gpus == 1 else confirm
     while queue and len(confirmed) < confirm and not (
             confirmed and confirmed[0].step_seconds <= min(c.step_seconds for c in queue)):
-        batch, queue = queue[:confirm], queue[confirm:]
+        batch, queue = queue[:at_once], queue[at_once:]
         stage = _Stage(f"confirming the {len(confirmed) + len(batch)} fastest of {len(candidates)} candidates by "
                        "full estimates", len(batch))
         results = run_cached_many([functools.partial(full_probe, s.workload, c.config, s.dev) for c in batch],
