@@ -182,6 +182,13 @@ class _Family:
         """Host memory the step needs beyond the batch (offloaded master weights, gradients, optimizer state)."""
         return self.probes[1].estimate.host_peak_bytes or 0
 
+    def moved_bytes(self, m: int, accum: int) -> float:
+        """What a step moves between host and device at micro-batch m: each micro-step's (offloaded
+        activations, gradients), and the optimizer step's once (offloaded weights back)."""
+        o1, o2 = (p.ops for p in self.probes)
+        (_, at1), (_, at2) = (o.optimizer_at or (0, o.moved_bytes) for o in (o1, o2))
+        return accum * self.line.at(at1, at2, m) + self.line.at(o1.moved_bytes - at1, o2.moved_bytes - at2, m)
+
     def gradient_bytes(self) -> int:
         e2 = self.probes[1].estimate
         return e2.model_state_bytes[Category.GRADIENTS] or e2.breakdown[Category.GRADIENTS]
@@ -210,10 +217,7 @@ class _Family:
             rest += (accum - 1) * accumulation_seconds(profile, o2)
         if profile.kind != "cuda":
             return accum * micro + rest
-        # offloading's bytes: each micro-step's (at micro-batch m), and the optimizer step's once
-        (_, at1), (_, at2) = (o.optimizer_at or (0, o.moved_bytes) for o in (o1, o2))
-        moved = accum * self.line.at(at1, at2, m) + self.line.at(o1.moved_bytes - at1, o2.moved_bytes - at2, m)
-        return accum * micro + rest + moved / profile.link_bandwidth
+        return accum * micro + rest + self.moved_bytes(m, accum) / profile.link_bandwidth
 
 
 @dataclasses.dataclass
@@ -266,6 +270,9 @@ class _DeepFamily:
 
     def gradient_bytes(self) -> float:
         return self._extend(self.short.gradient_bytes(), self.tall.gradient_bytes())
+
+    def moved_bytes(self, m: int, accum: int) -> float:
+        return self._extend(self.short.moved_bytes(m, accum), self.tall.moved_bytes(m, accum))
 
 
 @dataclasses.dataclass
@@ -713,12 +720,12 @@ def _rounds(s: _Search, bases: list[Config], floors: dict, depth: int | None, tr
     confirmed = _confirm(s, candidates, confirm) if candidates else []
     bound = confirmed[0].step_seconds if confirmed else math.inf
     second = []
-    for base in _paired(s, siblings):
-        why = _beaten(s, base, siblings, families, floors, bound)
-        if why is None:
-            second.extend(base)
-        else:
-            s.verdicts.extend((_family_name(b), why) for b in base)
+    for group in _paired(s, siblings):
+        for base, why in _beaten(s, group, siblings, families, floors, bound).items():
+            if why is None:
+                second.append(base)
+            else:
+                s.verdicts.append((_family_name(base), why))
     more, raised = _probes(s, second, floors, depth, None)
     failed += raised
     third = [b for b, twin in twins.items() if twin in {f for f, _ in failed}]
@@ -744,10 +751,14 @@ def _siblings(s: _Search, bases: list[Config]) -> dict[Config, Config]:
     (offload adds host work), their state is smaller by what the state floors say."""
     if s.gpus != 1:
         return {}
-    present = set(bases)
-    plain = {b: b.replace(optimizer_8bit=False, paged_optimizer=False, offload_optimizer=False) for b in bases
-             if b.optimizer_8bit or b.offload_optimizer}
-    return {b: p for b, p in plain.items() if p in present}
+    present, out = set(bases), {}
+    for b in bases:  # the plainest searched: without those techniques, else (offloaded) without 8-bit states
+        for p in (b.replace(optimizer_8bit=False, paged_optimizer=False, offload_optimizer=False),
+                  b.replace(optimizer_8bit=False, paged_optimizer=False)):
+            if p != b and p in present:
+                out[b] = p
+                break
+    return out
 
 
 def _paired(s: _Search, siblings: dict) -> list[tuple]:
@@ -760,44 +771,54 @@ def _paired(s: _Search, siblings: dict) -> list[tuple]:
         other = b.replace(activation_checkpoint="all" if b.activation_checkpoint == "none" else "none")
         pair = (b.activation_checkpoint in ("none", "all") and b.loss_chunks == 1 and other in siblings
                 and s.activation_checkpoint is None)
-        groups.append((b, other) if pair else (b,))
+        groups.append(tuple(sorted((b, other), key=lambda c: c.activation_checkpoint != "none")) if pair else (b,))
         seen.update(groups[-1])
     return groups
 
 
-def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: dict, bound: float) -> str | None:
-    """Why the sibling families of `group` cannot beat `bound` (the step seconds of round 1's plan), or None
-    where they may. At each micro-batch, a lower bound from the plain family: its forward and backward time
-    (a sibling's are the same ops, or more under offload) plus, with optimizer offload on a GPU, the link time
-    of every gradient to the host each micro-step and every weight back once; where it may fit, by the plain
-    family's forward and backward peaks less what the sibling's smaller state saves (state floors)."""
+def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: dict, bound: float) -> dict:
+    """{family of `group`: why it cannot beat `bound` (the step seconds of round 1's plan), or None where it
+    may}. At each micro-batch, a lower bound from the plain family: its forward and backward time (a
+    sibling's are the same ops, or more under offload) and, on a GPU, the link time of the bytes the plain
+    family moves (offloaded activations; offloaded optimizer) and, where only the sibling offloads its
+    optimizer, of every gradient to the host each micro-step and every weight back once; where it may fit, by the plain family's forward and backward peaks
+    less what the sibling's smaller state saves (state floors). A pair without and with every block
+    checkpointed is bounded at the every-k checkpointing between them too (_every_k interpolates it): where
+    that may beat the plan, both are traced."""
     plains = [families.get(siblings[b]) for b in group]
     if any(p is None for p in plains) or not math.isfinite(bound):
-        return None
+        return dict.fromkeys(group)
     rates, cuda = s.rates(), s.dev.kind == "cuda"
-    best = math.inf  # the least time a micro-batch that may fit gives
+    shares = [0.0, 1.0, *_every_k_shares(plains[1].depth).values()] if len(group) == 2 else [0.0]
+    best = dict.fromkeys(shares, math.inf)  # the least time that may fit
     for m in _sizes(s, group[0], plains[0]):
         accum = s.per_rank // m
-        need = seconds = math.inf
+        need, seconds = [], []
         for b, p in zip(group, plains):
             phases = p.phases(m, accum)
             saved = floors.get(_state_key(siblings[b]), 0) - floors.get(_state_key(b), 0)
-            need = min(need, max(phases[Phase.FORWARD], phases[Phase.BACKWARD]) - saved)
+            need.append(max(phases[Phase.FORWARD], phases[Phase.BACKWARD]) - saved)
             t = accum * p.forward_backward_seconds(rates, m)
-            if b.offload_optimizer and cuda:
-                t += (accum + 1) * p.gradient_bytes() / rates.link_bandwidth
-            seconds = min(seconds, t)
-        if need <= s.usable:
-            best = min(best, seconds)
-    if best < bound:
-        return None
-    plain = _family_name(siblings[group[0]])
-    if not math.isfinite(best):
-        return (f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less "
-                "the state it saves")
-    moved = " and the bytes optimizer offload moves" if group[0].offload_optimizer and cuda else ""
-    return (f"not traced: at least {best:.3g} s a step at any micro-batch that may fit ({plain}'s forward and "
-            f"backward{moved}), no faster than the plan's {bound:.3g} s")
+            if cuda:  # what the plain family moves, and what offloading the optimizer adds to it
+                offloads = b.offload_optimizer and not siblings[b].offload_optimizer
+                t += (p.moved_bytes(m, accum) + (accum + 1) * p.gradient_bytes() * offloads) / rates.link_bandwidth
+            seconds.append(t)
+        for share in best:  # (a pair's none is group[0], all group[1]; the shares in between interpolate)
+            at = lambda values: values[0] + share * (values[-1] - values[0])  # noqa: E731
+            if at(need) <= s.usable:
+                best[share] = min(best[share], at(seconds))
+    between = any(t < bound for share, t in best.items() if 0 < share < 1)
+    kept = [between or best[0.0] < bound] + ([between or best[1.0] < bound] if len(group) == 2 else [])
+    out = {}
+    for b, keep, share in zip(group, kept, (0.0, 1.0)):
+        plain = _family_name(siblings[b])
+        moved = " and the bytes it moves" if cuda else ""
+        out[b] = None if keep else (
+            f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less the "
+            "state it saves" if not math.isfinite(best[share]) else
+            f"not traced: at least {best[share]:.3g} s a step at any micro-batch that may fit ({plain}'s forward "
+            f"and backward{moved}), no faster than the plan's {bound:.3g} s")
+    return out
 
 
 def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
@@ -1338,14 +1359,19 @@ def refusals(workload: Workload, configs: list[Config], device: str | Device = "
     return out
 
 
-def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, rates):
-    n = full.depth
-    out, shares = [], set()
+def _every_k_shares(n: int) -> dict[int, float]:
+    """{k: the share of a model's n blocks checkpointed when every k-th block is}, k = 2, 3, 4, a share once."""
+    out: dict[int, float] = {}
     for k in (2, 3, 4):
         share = math.ceil(n / k) / n
-        if k >= n or share in shares:
-            continue
-        shares.add(share)
+        if k < n and share not in out.values():
+            out[k] = share
+    return out
+
+
+def _every_k(none: _Family, full: _Family, global_batch, micro_batch, usable, cpu, rates):
+    out = []
+    for k, share in _every_k_shares(full.depth).items():
         for m in _micro_batches(global_batch, micro_batch, max(none.sizes[0], full.sizes[0])):
             accum = global_batch // m
             need = int(none.memory(m, accum, cpu) + share * (full.memory(m, accum, cpu) - none.memory(m, accum, cpu)))
