@@ -711,7 +711,7 @@ def test_a_long_plan_says_what_it_traces_and_a_short_one_says_nothing(gpt):
     lines = []
     with progress_to(lines.append, after=0):
         plan(gpt, 16, **fixed)
-    assert lines[0].startswith("weights, gradients and optimizer state of ") and lines[0].endswith("0 of 1 traced")
+    assert lines[0].startswith("weights, gradients and optimizer state of ") and lines[0].endswith("0 of 2 traced")
     probing = [line for line in lines if line.startswith("probing ")]
     total = int(probing[0].split(" families")[0].split()[-1])
     assert probing[-1].endswith(f"{total} of {total} traced")

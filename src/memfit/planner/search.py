@@ -314,10 +314,28 @@ class _AtCount:
 DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
 
 
-def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list[tuple]]:
-    """The model's stack depth (None: not probed shallow) and each state's floors (state_parts: on the device,
-    on the host, the gradients' share of the first): for a deep model from two shallow copies, the line through
-    them at the full depth (states add up per block)."""
+def _depth_and_floors(workload: Workload, states: list[Config], dev: Device,
+                      on_done: Callable[[], None] | None = None) -> tuple[str, object]:
+    """("ok", (the model's stack depth, None where not probed shallow; each state's floors: state_parts's on
+    the device, on the host, the gradients' share of the first)), or ("error", why). A deep model's floors are
+    the line through two shallow copies' at the full depth (states add up per block). Two forked children:
+    the depth and the shallower copy's floors (a model probed whole: its own) in one, the deeper copy's in the
+    other, taken on the chance that the model is deep."""
+    a, b = depths(states[0].gpus if states else 1)
+    (kind, value), (tall_kind, tall) = run_cached_many(
+        [functools.partial(_depth_and_short_floors, workload, states, dev),
+         functools.partial(_state_floors_of_copy, workload, b, states, dev)], on_done=on_done)
+    if kind != "ok" or value[0] is None:
+        return kind, value
+    if tall_kind != "ok":
+        return tall_kind, tall
+    depth, short = value
+    return "ok", (depth, [tuple(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s, t))
+                          for s, t in zip(short, tall)])
+
+
+def _depth_and_short_floors(workload: Workload, states: list[Config], dev: Device) -> tuple[int | None, list]:
+    """(stack depth, the shallower copy's floors) for a deep model, else (None, the model's own floors)."""
     try:
         with new_fake_mode() as mode, FakeBuild(mode):
             depth = stack_depth(workload.model())
@@ -325,9 +343,11 @@ def _depth_and_floors(workload: Workload, states: list[Config], dev: Device) -> 
         depth = None
     if depth is None or depth < DEEP:
         return None, _state_floors(workload, states, dev)
-    a, b = depths(states[0].gpus if states else 1)
-    short, tall = _state_floors(shallow(workload, a), states, dev), _state_floors(shallow(workload, b), states, dev)
-    return depth, [tuple(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s, t)) for s, t in zip(short, tall)]
+    return depth, _state_floors_of_copy(workload, depths(states[0].gpus if states else 1)[0], states, dev)
+
+
+def _state_floors_of_copy(workload: Workload, blocks: int, states: list[Config], dev: Device) -> list[tuple]:
+    return _state_floors(shallow(workload, blocks), states, dev)
 
 
 def _aligned(o1, o2, sizes: tuple[int, int]) -> tuple[tuple, OpTable]:
@@ -654,9 +674,8 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     cannot be found, the families' own traces report what is wrong.)"""
     usable = s.usable
     states = list({_state_key(b): b for b in bases}.values())
-    stage = _Stage(f"weights, gradients and optimizer state of {len(states)} families", 1)
-    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, s.workload, states, s.dev)], workers=1,
-                                      on_done=stage.done)
+    stage = _Stage(f"weights, gradients and optimizer state of {len(states)} families", 2)
+    kind, value = _depth_and_floors(s.workload, states, s.dev, on_done=stage.done)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
     floors = {key: on_device for key, (on_device, _, _) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
@@ -1207,7 +1226,7 @@ def _may_step_in_backward(cfg: Config, workload: Workload, micro_batch: int | No
 
 def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors: dict, host_floors: dict):
     """`floors` and `host_floors` with those of `configs` added (traced in a child, as plan's first ones)."""
-    [(kind, value)] = run_cached_many([functools.partial(_depth_and_floors, workload, configs, dev)], workers=1)
+    kind, value = _depth_and_floors(workload, configs, dev)
     floors, host_floors = dict(floors), dict(host_floors)
     if kind == "ok":
         for cfg, (on_device, on_host, _) in zip(configs, value[1]):
