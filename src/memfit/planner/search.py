@@ -207,14 +207,13 @@ class _Family:
         return phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
 
     def seconds(self, profile: Profile, m: int, accum: int, comm: Comm | None = None) -> float:
-        o1, o2 = (p.ops for p in self.probes)
         t2, flops, nbytes, alloc = self._scaled(m)
         micro = phase_seconds(profile, t2, ("forward", "backward"), flops, nbytes, alloc)
         if comm is not None:  # parameter-sized collectives: the same at every micro-batch
             micro = comm.overlapped(micro, t2)
         rest = phase_seconds(profile, t2, ("optimizer", "setup"), flops, nbytes, alloc)
         if accum > 1:  # each later micro-step adds its gradients into those kept
-            rest += (accum - 1) * accumulation_seconds(profile, o2)
+            rest += (accum - 1) * accumulation_seconds(profile, self.probes[1].ops)
         if profile.kind != "cuda":
             return accum * micro + rest
         return accum * micro + rest + self.moved_bytes(m, accum) / profile.link_bandwidth
