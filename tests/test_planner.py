@@ -12,6 +12,7 @@ from memfit import Config
 from memfit.cli import main
 from memfit.memory.devices import get_device
 from memfit.planner.costmodel import Profile, catalogue_profile, describe, step_seconds
+from memfit.memory import estimate as estimate_module
 from memfit.memory.estimate import probe
 from memfit.memory.isolate import run_isolated, run_isolated_many
 from memfit.memory.tracker import OpTrace
@@ -82,7 +83,7 @@ def test_step_time_model_orders_the_obvious_cases(gpt):
     plain = probe(gpt, Config(micro_batch=8)).ops
     ck = probe(gpt, Config(micro_batch=8, activation_checkpoint="all")).ops
     accum = probe(gpt, Config(micro_batch=1, grad_accum=8)).ops
-    t_plain, t_ck, t_accum = (step_seconds(FLAT, e) for e in (plain, ck, accum))
+    t_plain, t_ck, t_accum = step_seconds(FLAT, plain), step_seconds(FLAT, ck), step_seconds(FLAT, accum, 8)
     assert t_plain < t_ck  # recomputation costs time
     assert t_plain < t_accum  # eight small micro-steps pay eight times the per-op overhead
     # on a GPU the same ops are faster, and the host link prices offloaded bytes
@@ -499,7 +500,7 @@ def test_a_family_prices_any_micro_batch_as_a_full_trace_does():
     ("cpu", Config(micro_batch=2)),
     ("h100", Config(micro_batch=2, precision="bf16")),
     ("h100", Config(micro_batch=2, precision="bf16-pure", offload_optimizer=True, offload_activations=True))])
-def test_an_accumulation_is_priced_as_its_micro_steps_traced_one_by_one(device, config):
+def test_an_accumulation_is_priced_as_its_micro_steps_traced_one_by_one(device, config, monkeypatch):
     """Every micro-step after the first adds its gradients into those kept (under optimizer offload, on the
     host), and the optimizer step's upload happens once: a step of 4 micro-steps traced whole is what the
     planner prices from a trace of 2 (the second repeating) and from its probes of one micro-step. Priced
@@ -509,9 +510,12 @@ def test_an_accumulation_is_priced_as_its_micro_steps_traced_one_by_one(device, 
     from memfit.planner.search import _Family
     wl, dev = builtin("gpt-tiny"), get_device(device)
     rates = CURVED if device == "cpu" else catalogue_profile(dev)
-    whole = step_seconds(rates, probe(wl, config.replace(grad_accum=4), dev, isolate=False).ops, 4)
-    assert step_seconds(rates, probe(wl, config.replace(grad_accum=2), dev, isolate=False).ops, 4) == \
-        pytest.approx(whole, rel=0.005)
+    two = probe(wl, config.replace(grad_accum=4), dev, isolate=False).ops  # (estimate.traced_steps)
+    with monkeypatch.context() as m:
+        m.setattr(estimate_module, "traced_steps", lambda c: c)  # every micro-step traced
+        whole = step_seconds(rates, probe(wl, config.replace(grad_accum=4), dev, isolate=False).ops, 4)
+    assert len(two.micro_steps) == 2
+    assert step_seconds(rates, two, 4) == pytest.approx(whole, rel=0.005)
     probes, _ = probe_pair(wl, config.replace(micro_batch=1), dev)
     assert _Family(config.replace(micro_batch=1), probes).seconds(rates, 2, 4) == pytest.approx(whole, rel=0.005)
 
@@ -581,7 +585,7 @@ def test_a_deep_models_candidate_is_confirmed_counted_from_copies_with_the_whole
     wl, dev = builtin("gpt-tiny", layers=DEEP), get_device("h100")
     config = Config(micro_batch=2, grad_accum=4, precision="bf16")
     counted = run_isolated(functools.partial(full_probe, wl, config, dev))
-    whole = run_isolated(functools.partial(probe, wl, config.replace(grad_accum=2), dev, isolate=False))
+    whole = run_isolated(functools.partial(probe, wl, config, dev, isolate=False))
     assert counted.counted is not None and counted.estimate.extrapolated_from == (3, DEEP)
     for field in ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes", "breakdown",
                   "phase_peaks", "flops", "parameters"):

@@ -164,6 +164,11 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
         config = config.replace(**config_fields)
     check_precision(config, dev.name, dev.bf16)
     check_node(dev, config.gpus_per_node)
+    traced = traced_steps(config)
+    if traced != config:
+        p = probe(workload, traced, dev, isolate)
+        p.estimate = accumulated(p.estimate, config, dev, *micro_step(p.ops))
+        return p
     run = run_isolated if isolate and hasattr(os, "fork") else (lambda fn: fn())
     try:
         return run(lambda: _on_fake(workload, config, dev))
@@ -184,6 +189,52 @@ def probe(workload: Workload, config: Config | None = None, device: str | Device
         if config.micro_batch != 1 or not _traces_at(run, workload, config, dev, PROBES_WITHOUT_1[0]):
             raise
         raise MicroBatchError(workload.name, 1, PROBES_WITHOUT_1[0], reason) from None
+
+
+def traced_steps(config: Config) -> Config:
+    """What is traced of `config`: an accumulation's first two micro-steps, as from the second on every
+    micro-step makes the same allocations and frees (its gradients added into those kept), so the rest add
+    no new peak; a pipeline's every micro-batch (its schedule interleaves them)."""
+    return config.replace(grad_accum=2) if config.grad_accum > 2 and config.pp == 1 else config
+
+
+def micro_step(ops: OpTrace) -> tuple[int, int]:
+    """FLOPs and bytes moved by a two-micro-step trace's second micro-step, which every later one repeats."""
+    (begin, moved), (end, moved_end) = ops.micro_steps[1], ops.optimizer_at
+    return sum(f for f, k in zip(ops.flops[begin:end], ops.kind[begin:end]) if k != "rng"), moved_end - moved
+
+
+def accumulated(est: Estimate, config: Config, dev: Device, flops: int, moved: int) -> Estimate:
+    """`est`, traced as two micro-steps (`traced_steps`), as the step of `config.grad_accum` of them: each
+    later one adds the second's work (`flops`, bytes `moved`: `micro_step`), and on a CPU its micro-batch's
+    inputs, which the whole step holds (the global batch is handed over at once; a GPU copies each in)."""
+    more = config.grad_accum - 2
+    est.flops += more * flops
+    est.moved_bytes += more * moved
+    est.recompute_flops = est.recompute_flops // 2 * config.grad_accum
+    est.module_flops = {k: v if k in ("(setup)", "(optimizer)") else v // 2 * config.grad_accum
+                        for k, v in est.module_flops.items()}
+    if dev.kind == "cpu":
+        extra = est.breakdown[Category.INPUTS] // 2 * more
+        est.peak_bytes += extra
+        est.breakdown[Category.INPUTS] += extra
+        est.phase_peaks = {p: v + extra for p, v in est.phase_peaks.items()}
+        est.timeline[Category.INPUTS] = [v + extra for v in est.timeline[Category.INPUTS]]
+        est.top_tensors = sorted((_whole_batch(t, config.grad_accum) for t in est.top_tensors),
+                                 key=lambda t: t["bytes"], reverse=True)
+    est.config = config.to_dict()
+    est.notes.append(f"accumulation over {config.grad_accum} micro-steps traced as 2; later micro-steps repeat "
+                     "the second")
+    return est
+
+
+def _whole_batch(tensor: dict, micro_steps: int) -> dict:
+    """A top tensor of a CPU step traced as two micro-steps, as the step of `micro_steps` holds it: an input
+    is the whole batch, two micro-batches of rows traced."""
+    if tensor["category"] != Category.INPUTS:
+        return tensor
+    rows = tensor["shape"][0] // 2 * micro_steps
+    return dict(tensor, bytes=tensor["bytes"] // 2 * micro_steps, shape=[rows, *tensor["shape"][1:]])
 
 
 def _traces_at(run, workload: Workload, config: Config, dev: Device, micro_batch: int) -> bool:

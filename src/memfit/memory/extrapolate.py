@@ -252,14 +252,20 @@ def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
 def _counted(workload: Workload, config: Config, dev: Device, plan: Plan,
              isolate: bool) -> tuple[Counted | None, str, Plan]:
     """`_from_copies`, and once more one block deeper where a copy's own code refused it (dividing by its depth
-    less 1; checkpointing a copy of one block): (the count or None, why not, the copies' plan)."""
-    counted, why, raised = _from_copies(workload, config, dev, plan, isolate)
+    less 1; checkpointing a copy of one block): (the count or None, why not, the copies' plan). The copies
+    trace a long accumulation as two micro-steps (`traced.traced_steps`), and the count adds the rest."""
+    steps = traced.traced_steps(config)
+    counted, why, raised = _from_copies(workload, steps, dev, plan, isolate)
     deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if raised else None
     if deeper is not None:
         plan, tried = deeper, why
-        counted, why, _ = _from_copies(workload, config, dev, plan, isolate)
+        counted, why, _ = _from_copies(workload, steps, dev, plan, isolate)
         if counted is not None:
             counted.estimate.notes.append(f"copies one block shallower were tried first: {tried}")
+    if counted is not None and steps != config:  # the second micro-step at the whole depth, as the rest are
+        (f1, m1), (f2, m2) = (traced.micro_step(ops) for ops in counted.copies)
+        traced.accumulated(counted.estimate, config, dev, f1 + (f2 - f1) * counted.steps,
+                           m1 + (m2 - m1) * counted.steps)
     return counted, why, plan
 
 

@@ -30,7 +30,7 @@ import functools
 from memfit.config import Config
 from memfit.errors import ConfigError, WorkloadError
 from memfit.memory.devices import links
-from memfit.memory.estimate import probe
+from memfit.memory.estimate import accumulated, micro_step, probe, traced_steps
 from memfit.memory.isolate import run_isolated_many
 from memfit.memory.copies import depths, shallow, stack_depth
 from memfit.planner.costmodel import comm_for, pipeline_parts, pipeline_seconds, pipeline_slots, send_seconds, step_seconds
@@ -121,7 +121,7 @@ def _rounds(s, options: list[Config], depth: int, rates, speeds, verdicts: list)
         groups.setdefault(_family(cfg), []).append(cfg)
     while groups:
         round_ = [cfgs.pop(0) for cfgs in groups.values()]
-        jobs = [functools.partial(_probe_copy, shallow(s.workload, _kept(cfg, k)), _traced(cfg), s.dev)
+        jobs = [functools.partial(_probe_copy, shallow(s.workload, _kept(cfg, k)), traced_steps(cfg), s.dev)
                 for cfg in round_ for k in _copies(cfg)]
         results = run_isolated_many(jobs)
         for i, cfg in enumerate(round_):
@@ -172,12 +172,6 @@ def _kept(cfg: Config, k: int) -> int:
     return k * cfg.pp
 
 
-def _traced(cfg: Config) -> Config:
-    """What a copy traces: a pipeline every micro-batch (the schedule needs them), else two, the rest like
-    the second (`full_probe`)."""
-    return cfg if cfg.pp > 1 else cfg.replace(grad_accum=min(cfg.grad_accum, 2))
-
-
 def _seconds(s, cfg: Config, traced: dict, rates, speeds) -> float:
     if cfg.pp > 1:
         return pipeline_seconds(rates, traced["ops"], cfg.grad_accum, comm_for(s.dev, cfg),
@@ -189,18 +183,16 @@ def _confirm(s, candidates: list[Split], verdicts: list, rates, speeds) -> Split
     """The fastest candidate that fits when traced whole (every stage), its figures replaced by the trace's;
     at most CONFIRM tried. A candidate that does not is said so in `verdicts`."""
     for c in candidates[:CONFIRM]:
-        (kind, traced), = run_isolated_many([functools.partial(_probe_copy, s.workload, _traced(c.config), s.dev)],
-                                            workers=1)
+        job = functools.partial(_probe_copy, s.workload, traced_steps(c.config), s.dev)
+        (kind, traced), = run_isolated_many([job], workers=1)
         if kind != "ok":
             raise traced
         peak, estimate = max(traced["peaks"]), traced["estimate"]
         if peak > s.usable:
             verdicts.append((_name(c.config), f"predicted to fit, but traced whole needs {fmt_bytes(peak)}"))
             continue
-        if _traced(c.config) != c.config:  # as full_probe says of the same shortcut
-            estimate.config = c.config.to_dict()
-            estimate.notes.append(f"accumulation over {c.config.grad_accum} micro-steps traced as 2; later "
-                                  "micro-steps repeat the second")
+        if traced_steps(c.config) != c.config:
+            accumulated(estimate, c.config, s.dev, *micro_step(traced["ops"][0]))
         c.peak_bytes, c.estimate, c.confirmed = peak, estimate, True
         c.step_seconds = _seconds(s, c.config, traced, rates, speeds)
         if c.config.pp > 1:

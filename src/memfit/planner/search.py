@@ -1310,25 +1310,12 @@ def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, g
 
 
 def full_probe(workload: Workload, config: Config, dev: Device) -> Probe:
-    """A full estimate with its ops, with a long accumulation traced as two micro-steps: from the second on,
-    every micro-step is the same. A deep model (DEEP blocks or more) on one rank is counted from three shallow
-    copies in forked children where that checks out (memory/extrapolate.py: the same bytes), else traced whole
-    in this process. On a CPU the rest of the global batch is added as inputs, live all step."""
-    accum = config.grad_accum
-    traced = config if accum <= 2 else config.replace(grad_accum=2)
-    counted = probe_blocks(workload, traced, dev, least_blocks=DEEP)
-    p = (probe(workload, traced, dev, isolate=False) if counted is None else
-         Probe(counted.estimate, counted.ops, counted=(counted.copies, counted.steps)))
-    if accum <= 2:
-        return p
-    est = p.estimate
-    if dev.kind == "cpu":
-        extra = est.breakdown[Category.INPUTS] * (accum - 2) // 2
-        est.peak_bytes += extra
-        est.breakdown[Category.INPUTS] += extra
-    est.config = config.to_dict()
-    est.notes.append(f"accumulation over {accum} micro-steps traced as 2; later micro-steps repeat the second")
-    return p
+    """A full estimate with its ops (a long accumulation traced as two micro-steps: `traced_steps`). A deep
+    model (DEEP blocks or more) on one rank is counted from three shallow copies in forked children where that
+    checks out (memory/extrapolate.py: the same bytes), else traced whole in this process."""
+    counted = probe_blocks(workload, config, dev, least_blocks=DEEP)
+    return (probe(workload, config, dev, isolate=False) if counted is None else
+            Probe(counted.estimate, counted.ops, counted=(counted.copies, counted.steps)))
 
 
 def _seconds(profile: Profile, p: Probe, config: Config, dev: Device) -> float:
