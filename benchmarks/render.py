@@ -183,6 +183,23 @@ def t_plan_cache() -> str:
     return table(["case", "cold", "the same plan again", "another budget"], [[k, *v] for k, v in out.items()])
 
 
+def t_estimate_accumulation() -> str:
+    rows = results("estimate_accumulation")
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for blocks in ("all", "auto"):
+            got = {r["code"]: r for r in rows if r["case"] == case and r["blocks"] == blocks}
+            before, now = got.get("before"), got["now"]
+            same = before is not None and all(before[k] == now[k] for k in ("peak_bytes", "device_peak_bytes"))
+            traced = f"counted from {now['extrapolated_from'][0]} of {now['extrapolated_from'][1]} blocks" \
+                if now.get("extrapolated_from") else "whole"
+            out.append([case, f"`{blocks}`: {traced}", f"{before['seconds']} s" if before else "-", f"{now['seconds']} s",
+                        f"{now['peak_bytes']:,}", f"{now['device_peak_bytes']:,}",
+                        "the same" if same else "differ", f"{before['flops']:.3e} → {now['flops']:.3e}" if before else "-"])
+    return table(["configuration", "--blocks", "before", "now", "peak bytes", "device peak bytes", "bytes before/now",
+                  "FLOPs before → now"], out)
+
+
 def t_torchtune_8b() -> str:
     d = results("torchtune_8b")
     e, pub = d["estimate"], d["published_bytes"]
@@ -297,7 +314,7 @@ def t_published_multi_gpu() -> str:
 
 
 TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
-          "plan_cache": t_plan_cache, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
+          "plan_cache": t_plan_cache, "estimate_accumulation": t_estimate_accumulation, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
           "pipeline_parallel": t_pipeline_parallel, "plan_model_parallel": t_plan_model_parallel, "tensor_parallel": t_tensor_parallel,
           "tensor_parallel_2d": lambda: t_tensor_parallel("tensor_parallel_2d"),
