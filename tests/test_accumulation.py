@@ -2,13 +2,17 @@
 allocations and frees, adding its gradients into those kept. The rest are counted (their work, bytes moved,
 and on a CPU their inputs, which the whole step holds), and every figure is the one a trace of every
 micro-step gives: on a GPU target and the CPU, with checkpointing, offload, dropout's random numbers, experts,
-sharding across ranks, and for a deep model counted from three shallow copies."""
+sharding across ranks, and for a deep model counted from three shallow copies (where the whole depth peaks in
+another phase than its copies too)."""
 import pytest
 
 from memfit.config import Config
 from memfit.memory import estimate as estimate_module
 from memfit.memory.estimate import probe
-from memfit.memory.extrapolate import estimate_blocks
+from memfit.memory.devices import get_device
+from memfit.memory.estimate import traced_steps
+from memfit.memory.extrapolate import _probes, estimate_blocks, layer_plan
+from memfit.memory.tracker import Phase
 from memfit.workloads import builtin, hf
 
 transformers = pytest.importorskip("transformers")
@@ -50,12 +54,22 @@ def test_an_accumulation_counted_from_two_micro_steps_has_every_figure_of_one_tr
 
 @pytest.mark.parametrize("device,config,traced", [
     ("cpu", Config(micro_batch=2, grad_accum=4, activation_checkpoint="all"), 4),
-    ("h100", Config(micro_batch=2, grad_accum=4, precision="bf16"), 3)])
+    ("h100", Config(micro_batch=2, grad_accum=4, precision="bf16"), 3),
+    ("h100", Config(micro_batch=2, grad_accum=4, activation_checkpoint="all"), 4)])
 def test_a_deep_models_accumulation_is_counted_from_copies_and_two_micro_steps(device, config, traced, monkeypatch):
+    """In the last case the copies peak in backward, the whole depth in the optimizer step (its foreach
+    temporaries outgrow backward's): the peak, its phase and its categories are read from the whole depth's
+    written stream, not from the line through the copies."""
     wl = builtin("gpt-tiny", layers=12)
     counted = estimate_blocks(wl, config, device, "auto", isolate=False)
     whole = _whole(monkeypatch, lambda: estimate_blocks(wl, config, device, "all", isolate=False))
     assert counted.extrapolated_from == (traced, 12), counted.notes
+    if config.activation_checkpoint == "all" and device == "h100":
+        plan = layer_plan(wl, 2, "all")
+        copies = _probes(wl, traced_steps(config), get_device(device), plan, isolate=False)
+        a, b, _ = (p.estimate.peak_bytes for p in copies)
+        assert {p.estimate.peak_phase for p in copies} == {Phase.BACKWARD} != {counted.peak_phase}
+        assert counted.peak_bytes > a + (b - a) * (12 - 2)
     assert {f: getattr(counted, f) for f in FIGURES} == {f: getattr(whole, f) for f in FIGURES}
 
 

@@ -117,6 +117,23 @@ def peak(stream: list[tuple]) -> int:
     return top
 
 
+def at_peak(stream: list[tuple], first: str) -> tuple[dict[str, int], str]:
+    """The live bytes by category (each class's first part) where the live total first reaches its highest,
+    and the phase it is in, as LiveBytes reads its peak."""
+    current = top = 0
+    live: dict[str, int] = {}
+    name, best = first, ({}, first)
+    for t in stream:
+        if t[0] == 0:
+            name = t[2]
+            continue
+        live[t[1][0]] = live.get(t[1][0], 0) + t[0]
+        current += t[0]
+        if current > top:
+            top, best = current, ({k: v for k, v in live.items() if v}, name)
+    return best
+
+
 def phase_peaks(stream: list[tuple], first: str) -> dict[str, int]:
     """The highest live total in each phase, as LiveBytes keeps them: from the total a phase begins with and
     after each allocation in it; what comes before the first phase's mark is `first`'s."""
