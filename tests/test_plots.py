@@ -9,6 +9,7 @@ from matplotlib.text import Text
 
 import memfit
 from memfit.errors import RunError
+from memfit.memory import estimate as estimate_module
 from memfit.memory.estimate import CATEGORIES
 from memfit.report import plots
 from memfit.workloads import builtin
@@ -134,7 +135,9 @@ def test_long_titles_are_wrapped_inside_the_figure(est, tmp_path, monkeypatch):
 
 
 def test_phase_names_never_overlap_at_16_micro_batches(tmp_path, monkeypatch):
-    est = memfit.estimate(builtin("gpt-tiny"), memfit.Config(micro_batch=1, grad_accum=16))
+    with monkeypatch.context() as m:  # all 16 traced (an estimate traces two: estimate.traced_steps)
+        m.setattr(estimate_module, "traced_steps", lambda c: c)
+        est = memfit.estimate(builtin("gpt-tiny"), memfit.Config(micro_batch=1, grad_accum=16))
     fig = _saved(monkeypatch, lambda: plots.plot_memory_timeline(est, tmp_path / "acc.png"))
     renderer = fig.canvas.get_renderer()
     [ax] = [a for a in fig.axes if a.texts]
@@ -148,8 +151,9 @@ def test_phase_names_never_overlap_at_16_micro_batches(tmp_path, monkeypatch):
 
 
 def test_the_title_says_how_many_micro_batches_the_timeline_draws(tmp_path, monkeypatch):
-    """The planner (and so `memfit train`'s memory.png) traces a long accumulation as its first two
-    micro-batches: a chart titled "micro-batch 1 x 4" draws two forward and backward passes."""
+    """An estimate (the planner's, `memfit train`'s memory.png, `memfit estimate --plot`) traces a long
+    accumulation as its first two micro-batches: a chart titled "micro-batch 1 x 4" draws two forward and
+    backward passes."""
     from memfit.memory.devices import get_device
     from memfit.planner.search import full_probe
 

@@ -203,7 +203,7 @@ def plot_memory_timeline(estimate: Estimate, path, title: str | None = None) -> 
             if estimate.method != "fake":  # the timeline is of a real CPU step at a micro-batch that may differ
                 title += f"\n(timeline of a real CPU step; peak {estimate.method})"
         drawn = sum(ph == "forward" for ph, _, _ in spans)
-        if 0 < drawn < config.grad_accum:  # a long accumulation is traced as its first micro-batches (planner)
+        if 0 < drawn < config.grad_accum:  # a long accumulation is traced as two (estimate.traced_steps)
             title += (f"\n{drawn} of its {config.grad_accum} micro-batches drawn; the other "
                       f"{config.grad_accum - drawn} repeat the last one drawn")
         ax.set_title(title, loc="left")
