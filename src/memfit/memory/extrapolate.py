@@ -302,7 +302,8 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
             return None, f"the copy of {plan.depths[1]} blocks is not the first with blocks inserted"
         return None, f"the copy of {plan.depths[2]} blocks is not the first with the runs inserted twice"
     cuda = dev.kind == "cuda"
-    phases = {str(p): p for p in ests[2].phase_peaks}
+    deepest = ests[2]  # the third copy's estimate (`third` is its stream)
+    phases = {str(p): p for p in deepest.phase_peaks}
 
     def figures(stream):  # what the stream gives: the live peak, each phase's, the categories and phase at the
         # peak (where it lies moves with the depth: a deeper copy may peak in a later micro-step or phase), on a
@@ -314,19 +315,18 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
 
     written, differs = last["written"], last["differs"]  # event for event, which storage each free frees
     got = figures(written)
-    third = ests[2]
-    want = (third.peak_bytes, {str(p): v for p, v in third.phase_peaks.items()},
-            {str(c): v for c, v in third.breakdown.items() if v}, str(third.peak_phase)) + \
-        ((third.peak_allocated_bytes, third.peak_reserved_bytes) if cuda else ())
+    want = (deepest.peak_bytes, {str(p): v for p, v in deepest.phase_peaks.items()},
+            {str(c): v for c, v in deepest.breakdown.items() if v}, str(deepest.peak_phase)) + \
+        ((deepest.peak_allocated_bytes, deepest.peak_reserved_bytes) if cuda else ())
     if got != want:
         return None, f"the third copy's figures {want} were written as {got}"
     steps = (plan.blocks - plan.depths[0]) // plan.period
     if plan.depths[0] + steps * plan.period != plan.blocks:
         return None, f"{plan.blocks} blocks are not {plan.depths[0]} + whole periods of {plan.period}"
     whole = figures(streams.repeat(first, runs, steps))
-    out = dataclasses.replace(ests[2], notes=list(ests[2].notes))
+    out = dataclasses.replace(deepest, notes=list(deepest.notes))
     out.peak_bytes, out.peak_phase = whole[0], phases[whole[3]]
-    out.breakdown = {c: whole[2].get(str(c), 0) for c in third.breakdown}
+    out.breakdown = {c: whole[2].get(str(c), 0) for c in deepest.breakdown}
 
     def line(values: list, what: str):
         a, b, c = values
@@ -343,13 +343,13 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
         # stream's (where the peak lies moves with depth; a copy of no layers peaks lower in backward than the
         # line through the others: jamba's copies of 0, 8, 16)
         out.model_state_bytes = {k: line([e.model_state_bytes.get(k, 0) for e in ests], f"model_state_bytes[{k}]")
-                                 for k in third.model_state_bytes}
+                                 for k in deepest.model_state_bytes}
     except _NotLinear as e:
         return None, f"{e.args[0]} is not linear in the blocks"
     out.phase_peaks = {phases[p]: v for p, v in whole[1].items()}
     if cuda:
         out.peak_allocated_bytes, out.peak_reserved_bytes = whole[4:]
-        out.device_peak_bytes = ests[2].device_peak_bytes - ests[2].peak_reserved_bytes + out.peak_reserved_bytes
+        out.device_peak_bytes = deepest.device_peak_bytes - deepest.peak_reserved_bytes + out.peak_reserved_bytes
     if out.routing:
         out.routing = dict(out.routing, bound_peak_bytes=out.peak_bytes, bound_device_peak_bytes=out.device_peak_bytes)
     out.extrapolated_from = (plan.depths[2], plan.blocks)
