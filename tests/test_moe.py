@@ -235,6 +235,51 @@ def test_a_checkpointed_switch_transformer_converting_its_router_in_the_forward_
     assert est.peak_bytes == measured_peak(wl, cfg, Forced(balanced))
 
 
+class ForcedArgmax(TorchDispatchMode):
+    """The balanced choice for every real argmax over an expert-sized dimension (a top-1 router's)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.argmax.default and args[0].shape[-1] <= MAX_CHOICES:
+            experts = args[0].shape[-1]
+            out.copy_(torch.tensor([balanced(i, 0, 1, experts) for i in range(out.numel())]).reshape(out.shape))
+        return out
+
+
+def test_nllb_moe_trains_the_experts_its_code_sends_tokens_to_as_a_real_run_does(tmp_path):
+    """transformers' NLLB-MoE one-hots the router's one-hot mask (`one_hot(router_mask)` of a [tokens,
+    experts] 0/1 mask), so only expert_0 and expert_1 ever receive tokens. A real run never gives the others
+    a gradient, so torch.optim never makes their state: the estimate must equal a real second step (the
+    steady state), not one primed with state for every parameter."""
+    transformers = pytest.importorskip("transformers")
+    from memfit.workloads import hf
+
+    cfg = transformers.AutoConfig.for_model(
+        "nllb-moe", num_experts=8, encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=256,
+        encoder_sparse_step=1, decoder_sparse_step=1, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    wl = hf.from_config(cfg, seq=32, name="hf:nllb-moe")
+    config = Config(micro_batch=2)
+    marker = tmp_path / "real-step"
+    est = memfit.estimate(fake_only(wl, marker), config)
+    assert est.method == "fake" and not marker.exists()
+    idle = 4 * 6 * 4  # 4 sparse layers x experts 2..7 x (fc1, fc2) x (weight, bias)
+    assert any(note.startswith(f"{idle} trainable parameter(s) get no gradient") for note in est.notes)
+
+    torch.manual_seed(0)
+    step = TrainStep(wl, config, "cpu")
+    batch = wl.batch(config.global_batch)
+    with ForcedArgmax():
+        step(batch)  # the first step makes the state a real run keeps
+        tracker = LiveBytes("cpu", detail=False, workspace=CpuWorkspaces())
+        tracker.track(tensors_of(batch))
+        _, peak = measure_step(step, batch, tracker)
+    stateless = {n.split(".experts.")[1].split(".")[0] for n, p in step.model.named_parameters()
+                 if p not in step.optimizer.state}
+    assert stateless == {f"expert_{i}" for i in range(2, 8)}
+    assert est.peak_bytes == peak.bytes
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_transformers_default_experts_trace_once_whatever_the_routing(model_type):
     """transformers' default grouped_mm experts size every tensor by tokens x k: no assumption is needed
