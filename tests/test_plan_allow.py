@@ -107,3 +107,26 @@ def test_a_state_floor_less_its_gradients_is_the_floor_with_the_step_in_backward
         on_device, on_host, grads = state_parts(wl, config, "h100")
         assert grads > 0
         assert state_split(wl, config.replace(optimizer_in_backward=True), "h100") == (on_device - grads, on_host)
+
+
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+def test_a_state_floors_optimizer_step_is_the_probes_optimizer_phase_op_for_op(device):
+    """The planner bounds a family that differs from a traced one only in its optimizer (8-bit states,
+    optimizer offload) with that family's optimizer step, traced alone beside its state floor (state_parts):
+    the ops a probe of the family records in its optimizer phase, the same FLOPs, bytes and kinds."""
+    from memfit import Config
+    from memfit.memory.devices import get_device
+    from memfit.memory.estimate import probe, state_parts
+
+    wl = load_workload("gpt-tiny")
+    for config in (Config(micro_batch=2, precision="bf16-pure", optimizer_8bit=True),
+                   Config(micro_batch=2, precision="bf16-pure", offload_optimizer=True),
+                   Config(micro_batch=2, precision="fp32", optimizer_8bit=True, offload_optimizer=True)):
+        if device == "cpu" and config.offload_optimizer:
+            continue  # (offloading is from a GPU)
+        *_, alone = state_parts(wl, config, device, optimizer_ops=True)
+        ops = probe(wl, config, get_device(device)).ops
+        rows = [i for i, phase in enumerate(ops.phase) if phase == "optimizer"]
+        assert rows and len(alone) == len(rows), config.describe()
+        for field in ("flops", "bytes", "alloc", "kind", "name"):
+            assert getattr(alone, field) == [getattr(ops, field)[i] for i in rows], (config.describe(), field)

@@ -642,16 +642,17 @@ def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_search
 
 def test_a_family_that_differs_only_in_its_optimizer_is_traced_only_where_it_may_beat_the_plan(monkeypatch, tmp_path):
     """8-bit optimizer states and optimizer offload change only the optimizer step: such a family's forward
-    and backward are its plain sibling's (offload adds host work and the bytes it moves). It is traced after the plain families' plan is confirmed, and only where the sibling's
-    forward and backward alone (where the smaller state may fit) could beat that plan. The plan is the one
+    and backward are its plain sibling's (offload adds host work and the bytes it moves). It is traced after
+    the plain families' plan is confirmed, and only where the sibling's forward and backward plus its own
+    optimizer step (traced alone) could beat that plan, where the smaller state may fit. The plan is the one
     the search tracing every family finds, and each family left out is as slow as its verdict says, or
     slower."""
     import re
     from memfit.planner import search
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))  # the second plan reads the first one's traces
     monkeypatch.setenv("MEMFIT_TRACE_CACHE", "1")
-    wl = builtin("gpt-tiny")
-    options = dict(device="h100", allow=["8bit-optim"], offload_activations=False)
+    wl = builtin("gpt-small")
+    options = dict(device="h100", budget="2GiB", allow=["8bit-optim"], offload_activations=False)
     p = plan(wl, 8, **options)
     left = {f: float(re.search(r"at least ([0-9.e+-]+) s", v).group(1)) for f, v in p.families
             if v.startswith("not traced: at least")}

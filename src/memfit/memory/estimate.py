@@ -274,9 +274,13 @@ def state_split(workload: Workload, config: Config, device: str | Device = "cpu"
     return state_parts(workload, config, device)[:2]
 
 
-def state_parts(workload: Workload, config: Config, device: str | Device = "cpu") -> tuple[int, int, int]:
+def state_parts(workload: Workload, config: Config, device: str | Device = "cpu",
+                optimizer_ops: bool = False) -> tuple:
     """`state_split`'s two figures and the gradients' share of the first: what the same family keeps with the
-    optimizer step in backward, which holds no gradient buffer, is the first less the third."""
+    optimizer step in backward, which holds no gradient buffer, is the first less the third. With
+    `optimizer_ops`, a fourth: the ops of one optimizer step over every trainable parameter (an OpTrace),
+    the same ops a probe's optimizer phase records, at no forward or backward's cost (the planner's bound on
+    a family that differs from one traced only in its optimizer)."""
     dev = device if isinstance(device, Device) else get_device(device)
     world = fake_process_group(config.world) if config.world > 1 else contextlib.nullcontext()
     with world, new_fake_mode() as mode, quiet_fake_errors():
@@ -288,9 +292,25 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
         host = {storage_key(t): t.untyped_storage().nbytes() for t in step.host_tensors()}
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
         grads = {storage_key(t) for p in step.model.parameters() if p.grad is not None for t in held_by(p.grad)}
+        if optimizer_ops:
+            ops = _optimizer_ops(step, dev.kind == "cuda")
     on_device = {address: n for address, n in storages.items() if address not in host}
-    return (sum(on_device.values()) + outside_tensors(dev, config), sum(host.values()),
-            sum(n for address, n in on_device.items() if address in grads))
+    parts = (sum(on_device.values()) + outside_tensors(dev, config), sum(host.values()),
+             sum(n for address, n in on_device.items() if address in grads))
+    return (*parts, ops) if optimizer_ops else parts
+
+
+def _optimizer_ops(step: TrainStep, cuda_target: bool):
+    """The ops of `step`'s optimizer step on the gradients prime left (zeros, every trainable parameter's),
+    with the foreach kernels a probe of a GPU step uses."""
+    if cuda_target:
+        _use_foreach(step.optimizer)
+    recorder = OpRecorder()
+    recorder.mark("optimizer")
+    step.tracing = True  # no host sync of a loss scale (prime's own rule)
+    with recorder, chunks_traced_once(recorder):
+        step._optimizer_step()
+    return recorder.trace
 
 
 def outside_tensors(dev: Device, config: Config) -> int:

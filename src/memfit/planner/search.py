@@ -316,20 +316,23 @@ DEEP = 24  # repeated blocks from which a model is probed as two shallow copies
 def _depth_and_floors(workload: Workload, states: list[Config], dev: Device,
                       on_done: Callable[[], None] | None = None) -> tuple[str, object]:
     """("ok", (the model's stack depth, None where not probed shallow; each state's floors: state_parts's on
-    the device, on the host, the gradients' share of the first)), or ("error", why). A deep model's floors are
-    the line through two shallow copies' at the full depth (states add up per block). Two forked children:
+    the device, on the host, the gradients' share of the first, and its optimizer step's ops, a tuple of the
+    two copies' for a deep model)), or ("error", why). A deep model's floors are the line through two shallow
+    copies' at the full depth (states add up per block). Two forked children:
     the depth and the shallower copy's floors (a model probed whole: its own) in one, the deeper copy's in the
     other, taken on the chance that the model is deep."""
     a, b = depths(states[0].gpus if states else 1)
     (kind, value), (tall_kind, tall) = run_cached_many(
         [functools.partial(_depth_and_short_floors, workload, states, dev),
          functools.partial(_state_floors_of_copy, workload, b, states, dev)], on_done=on_done)
-    if kind != "ok" or value[0] is None:
+    if kind != "ok":
         return kind, value
+    if value[0] is None:
+        return kind, (None, [(*f[:3], f[3:]) for f in value[1]])
     if tall_kind != "ok":
         return tall_kind, tall
     depth, short = value
-    return "ok", (depth, [tuple(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s, t))
+    return "ok", (depth, [(*(round(x + (depth - a) * (y - x) / (b - a)) for x, y in zip(s[:3], t[:3])), (s[3], t[3]))
                           for s, t in zip(short, tall)])
 
 
@@ -460,6 +463,8 @@ class _Search:
     smallest_need: dict = dataclasses.field(default_factory=dict)  # family: the least memory it was found to need
     host_need: dict = dataclasses.field(default_factory=dict)      # family over host_bytes: the host memory it needs
     deep: bool = False  # probed as shallow copies (_floors): one rank's candidates are confirmed counted
+    depth: int | None = None  # the stack depth, where probed as shallow copies
+    optimizer_steps: dict = dataclasses.field(default_factory=dict)  # state key: its optimizer step's ops (_floors)
 
     @property
     def usable(self) -> int:
@@ -676,8 +681,10 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     stage = _Stage(f"weights, gradients and optimizer state of {len(states)} families", 2)
     kind, value = _depth_and_floors(s.workload, states, s.dev, on_done=stage.done)
     depth, split = (value[0], dict(zip(map(_state_key, states), value[1]))) if kind == "ok" else (None, {})
-    floors = {key: on_device for key, (on_device, _, _) in split.items()}
-    host_floors = {key: on_host for key, (_, on_host, _) in split.items()}
+    floors = {key: on_device for key, (on_device, *_) in split.items()}
+    host_floors = {key: on_host for key, (_, on_host, *_) in split.items()}
+    s.optimizer_steps = {key: ops for key, (*_, ops) in split.items()}
+    s.depth = depth
     if depth:
         s.deep = True
         a, b = depths(s.gpus)
@@ -799,7 +806,8 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     may}. At each micro-batch, a lower bound from the plain family: its forward and backward time (a
     sibling's are the same ops, or more under offload) and, on a GPU, the link time of the bytes the plain
     family moves (offloaded activations; offloaded optimizer) and, where only the sibling offloads its
-    optimizer, of every gradient to the host each micro-step and every weight back once; where it may fit, by the plain family's forward and backward peaks
+    optimizer, of every gradient to the host each micro-step and every weight back once; plus the sibling's
+    own optimizer step (_optimizer_seconds); where it may fit, by the plain family's forward and backward peaks
     less what the sibling's smaller state saves (state floors). A pair without and with every block
     checkpointed is bounded at the every-k checkpointing between them too (_every_k interpolates it): where
     that may beat the plan, both are traced."""
@@ -807,16 +815,17 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     if any(p is None for p in plains) or not math.isfinite(bound):
         return dict.fromkeys(group)
     rates, cuda = s.rates(), s.dev.kind == "cuda"
+    updates = [_optimizer_seconds(s, b, p) for b, p in zip(group, plains)]
     shares = [0.0, 1.0, *_every_k_shares(plains[1].depth).values()] if len(group) == 2 else [0.0]
     best = dict.fromkeys(shares, math.inf)  # the least time that may fit
     for m in _sizes(s, group[0], plains[0]):
         accum = s.per_rank // m
         need, seconds = [], []
-        for b, p in zip(group, plains):
+        for b, p, update in zip(group, plains, updates):
             phases = p.phases(m, accum)
             saved = floors.get(_state_key(siblings[b]), 0) - floors.get(_state_key(b), 0)
             need.append(max(phases[Phase.FORWARD], phases[Phase.BACKWARD]) - saved)
-            t = accum * p.forward_backward_seconds(rates, m)
+            t = accum * p.forward_backward_seconds(rates, m) + update
             if cuda:  # what the plain family moves, and what offloading the optimizer adds to it
                 offloads = b.offload_optimizer and not siblings[b].offload_optimizer
                 t += (p.moved_bytes(m, accum) + (accum + 1) * p.gradient_bytes() * offloads) / rates.link_bandwidth
@@ -828,15 +837,33 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     between = any(t < bound for share, t in best.items() if 0 < share < 1)
     kept = [between or best[0.0] < bound] + ([between or best[1.0] < bound] if len(group) == 2 else [])
     out = {}
-    for b, keep, share in zip(group, kept, (0.0, 1.0)):
+    for b, keep, share, update in zip(group, kept, (0.0, 1.0), updates):
         plain = _family_name(siblings[b])
-        moved = " and the bytes it moves" if cuda else ""
+        moved = (" and the bytes it moves" if cuda else "") + (", with this family's optimizer step" if update else "")
         out[b] = None if keep else (
             f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less the "
             "state it saves" if not math.isfinite(best[share]) else
             f"not traced: at least {best[share]:.3g} s a step at any micro-batch that may fit ({plain}'s forward "
             f"and backward{moved}), no faster than the plan's {bound:.3g} s")
     return out
+
+
+def _optimizer_seconds(s: _Search, cfg: Config, plain) -> float:
+    """`cfg`'s optimizer step at the full depth, from its state floor's trace of that step alone (the ops its
+    probes' optimizer phase records); 0 where there is none, or where the plain family's probe left a
+    parameter without a gradient (a trace over every parameter would then be more than the step's)."""
+    traces = s.optimizer_steps.get(_state_key(cfg))
+    if not traces or None in traces or not isinstance(plain, (_Family, _DeepFamily)):
+        return 0.0
+    probe = (plain.tall if isinstance(plain, _DeepFamily) else plain).probes[1]
+    if any("get no gradient" in note for note in probe.estimate.notes):
+        return 0.0
+    rates = s.rates()
+    seconds = [phase_seconds(rates, OpTable(ops), ("optimizer",)) for ops in traces]
+    if len(seconds) == 1:
+        return seconds[0]
+    a, b = depths(s.gpus)
+    return max(0.0, seconds[0] + (s.depth - a) * (seconds[1] - seconds[0]) / (b - a))
 
 
 def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
@@ -1228,7 +1255,7 @@ def _more_floors(workload: Workload, configs: list[Config], dev: Device, floors:
     kind, value = _depth_and_floors(workload, configs, dev)
     floors, host_floors = dict(floors), dict(host_floors)
     if kind == "ok":
-        for cfg, (on_device, on_host, _) in zip(configs, value[1]):
+        for cfg, (on_device, on_host, *_) in zip(configs, value[1]):
             floors[_state_key(cfg)], host_floors[_state_key(cfg)] = on_device, on_host
     return floors, host_floors
 
@@ -1286,9 +1313,15 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
     return out
 
 
-def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple[int, int, int]]:
-    return [state_parts(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev)
-            for s in states]
+def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple]:
+    """state_parts's, with the optimizer step's ops of the states a sibling family has (_siblings; else None)."""
+    out = []
+    for s in states:
+        sibling = s.optimizer_8bit or s.paged_optimizer or s.offload_optimizer
+        parts = state_parts(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev,
+                            optimizer_ops=sibling)
+        out.append(parts if sibling else (*parts, None))
+    return out
 
 
 def _layouts(dev: Device, gpus: int, layout: str | None, per_node: int | None, global_batch: int,
