@@ -113,7 +113,8 @@ def test_a_state_floor_less_its_gradients_is_the_floor_with_the_step_in_backward
 def test_a_state_floors_optimizer_step_is_the_probes_optimizer_phase_op_for_op(device):
     """The planner bounds a family that differs from a traced one only in its optimizer (8-bit states,
     optimizer offload) with that family's optimizer step, traced alone beside its state floor (state_parts):
-    the ops a probe of the family records in its optimizer phase, the same FLOPs, bytes and kinds."""
+    the ops a probe of the family records in its optimizer phase, the same FLOPs, bytes and kinds, and the
+    same gradient adds a later micro-step makes."""
     from memfit import Config
     from memfit.memory.devices import get_device
     from memfit.memory.estimate import probe, state_parts
@@ -130,3 +131,4 @@ def test_a_state_floors_optimizer_step_is_the_probes_optimizer_phase_op_for_op(d
         assert rows and len(alone) == len(rows), config.describe()
         for field in ("flops", "bytes", "alloc", "kind", "name"):
             assert getattr(alone, field) == [getattr(ops, field)[i] for i in rows], (config.describe(), field)
+        assert alone.accumulate == ops.accumulate and ops.accumulate, config.describe()

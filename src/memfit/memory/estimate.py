@@ -302,7 +302,8 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
 
 def _optimizer_ops(step: TrainStep, cuda_target: bool):
     """The ops of `step`'s optimizer step on the gradients prime left (zeros, every trainable parameter's),
-    with the foreach kernels a probe of a GPU step uses."""
+    with the foreach kernels a probe of a GPU step uses, and the adds a later micro-step makes into the
+    gradients kept (`OpTrace.accumulate`, as a probe has them)."""
     if cuda_target:
         _use_foreach(step.optimizer)
     recorder = OpRecorder()
@@ -310,7 +311,15 @@ def _optimizer_ops(step: TrainStep, cuda_target: bool):
     step.tracing = True  # no host sync of a loss scale (prime's own rule)
     with recorder, chunks_traced_once(recorder):
         step._optimizer_step()
+    if step.config.world == 1 and step.pipeline is None:
+        recorder.trace.accumulate = _accumulate_rows(step)
     return recorder.trace
+
+
+def _accumulate_rows(step: TrainStep) -> list[tuple[int, str]]:
+    """(bytes, kind) of the add_ of each gradient kept into which a later micro-step adds its own."""
+    return [(3 * g.numel() * g.element_size(), "host" if step.optimizer_offload is not None else
+             "lp" if g.dtype in (torch.bfloat16, torch.float16) else "f32") for g in step.kept_gradients()]
 
 
 def outside_tensors(dev: Device, config: Config) -> int:
@@ -669,9 +678,7 @@ def _measure_step(workload: Workload, step: TrainStep, dev: Device, mode, batch,
     est = _summarise(workload, step.config, dev, tracker, recorder, labels, model_state, n_params, notes)
     est.moved_bytes = ops.moved_bytes = step.moved_bytes
     if step.config.world == 1 and step.pipeline is None:  # (across ranks, later micro-steps are priced as the first)
-        ops.accumulate = [(3 * g.numel() * g.element_size(), "host" if step.optimizer_offload is not None else
-                           "lp" if g.dtype in (torch.bfloat16, torch.float16) else "f32")
-                          for g in step.kept_gradients()]
+        ops.accumulate = _accumulate_rows(step)
     est.host_peak_bytes = tracker.host_peak if cuda_target else None
     est.phase_peaks = dict(tracker.phase_peaks)
     est.blocks = find_blocks(step.model)

@@ -807,7 +807,7 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     sibling's are the same ops, or more under offload) and, on a GPU, the link time of the bytes the plain
     family moves (offloaded activations; offloaded optimizer) and, where only the sibling offloads its
     optimizer, of every gradient to the host each micro-step and every weight back once; plus the sibling's
-    own optimizer step (_optimizer_seconds); where it may fit, by the plain family's forward and backward peaks
+    own optimizer step and its adds of later micro-steps' gradients (_optimizer_seconds); where it may fit, by the plain family's forward and backward peaks
     less what the sibling's smaller state saves (state floors). A pair without and with every block
     checkpointed is bounded at the every-k checkpointing between them too (_every_k interpolates it): where
     that may beat the plan, both are traced."""
@@ -825,7 +825,7 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
             phases = p.phases(m, accum)
             saved = floors.get(_state_key(siblings[b]), 0) - floors.get(_state_key(b), 0)
             need.append(max(phases[Phase.FORWARD], phases[Phase.BACKWARD]) - saved)
-            t = accum * p.forward_backward_seconds(rates, m) + update
+            t = accum * p.forward_backward_seconds(rates, m) + update[0] + (accum - 1) * update[1]
             if cuda:  # what the plain family moves, and what offloading the optimizer adds to it
                 offloads = b.offload_optimizer and not siblings[b].offload_optimizer
                 t += (p.moved_bytes(m, accum) + (accum + 1) * p.gradient_bytes() * offloads) / rates.link_bandwidth
@@ -839,7 +839,8 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     out = {}
     for b, keep, share, update in zip(group, kept, (0.0, 1.0), updates):
         plain = _family_name(siblings[b])
-        moved = (" and the bytes it moves" if cuda else "") + (", with this family's optimizer step" if update else "")
+        moved = (" and the bytes it moves" if cuda else "") + (", with this family's optimizer step" if any(update)
+                                                                else "")
         out[b] = None if keep else (
             f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less the "
             "state it saves" if not math.isfinite(best[share]) else
@@ -848,22 +849,23 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     return out
 
 
-def _optimizer_seconds(s: _Search, cfg: Config, plain) -> float:
-    """`cfg`'s optimizer step at the full depth, from its state floor's trace of that step alone (the ops its
-    probes' optimizer phase records); 0 where there is none, or where the plain family's probe left a
-    parameter without a gradient (a trace over every parameter would then be more than the step's)."""
+def _optimizer_seconds(s: _Search, cfg: Config, plain) -> tuple[float, float]:
+    """`cfg`'s optimizer step and one later micro-step's gradient adds, at the full depth, from its state
+    floor's trace of that step alone (the ops its probes' optimizer phase records; the adds they price);
+    (0, 0) where there is none, or where the plain family's probe left a parameter without a gradient (a
+    trace over every parameter would then be more than the step's)."""
     traces = s.optimizer_steps.get(_state_key(cfg))
     if not traces or None in traces or not isinstance(plain, (_Family, _DeepFamily)):
-        return 0.0
+        return 0.0, 0.0
     probe = (plain.tall if isinstance(plain, _DeepFamily) else plain).probes[1]
     if any("get no gradient" in note for note in probe.estimate.notes):
-        return 0.0
+        return 0.0, 0.0
     rates = s.rates()
-    seconds = [phase_seconds(rates, OpTable(ops), ("optimizer",)) for ops in traces]
+    seconds = [(phase_seconds(rates, OpTable(ops), ("optimizer",)), accumulation_seconds(rates, ops)) for ops in traces]
     if len(seconds) == 1:
         return seconds[0]
     a, b = depths(s.gpus)
-    return max(0.0, seconds[0] + (s.depth - a) * (seconds[1] - seconds[0]) / (b - a))
+    return tuple(max(0.0, x + (s.depth - a) * (y - x) / (b - a)) for x, y in zip(*seconds))
 
 
 def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
