@@ -1316,10 +1316,11 @@ def _probe_families(workload: Workload, bases: list[Config], dev: Device, depth:
 
 
 def _state_floors(workload: Workload, states: list[Config], dev: Device) -> list[tuple]:
-    """state_parts's, with the optimizer step's ops of the states a sibling family has (_siblings; else None)."""
+    """state_parts's, with the optimizer step's ops of the states a sibling family has (_siblings, on one GPU;
+    else None)."""
     out = []
     for s in states:
-        sibling = s.optimizer_8bit or s.paged_optimizer or s.offload_optimizer
+        sibling = (s.optimizer_8bit or s.paged_optimizer or s.offload_optimizer) and s.gpus == 1
         parts = state_parts(workload, s.replace(activation_checkpoint="none", offload_activations=False), dev,
                             optimizer_ops=sibling)
         out.append(parts if sibling else (*parts, None))
