@@ -198,7 +198,9 @@ def plan_view(plan) -> Group:
         fams.add_row(*row)
     parts = [head] + ([alts] if plan.alternatives else [])
     if any(not c.confirmed for c in plan.alternatives):
-        parts.append(Text("* predicted from probes, not confirmed by a full estimate", style="dim"))
+        parts.append(Text("* predicted from probes, not confirmed by a full estimate; on a GPU the allocator's "
+                          "overhead is taken as the probe had it, and grows with the micro-batch: check one with "
+                          "memfit estimate before training it", style="dim"))
     parts.append(fams)
     if len(rows) < len(plan.families):
         parts.append(Text("each family's own verdict: the same command with --json (families)", style="dim"))
