@@ -122,9 +122,10 @@ def test_a_state_floors_optimizer_step_is_the_probes_optimizer_phase_op_for_op(d
     wl = load_workload("gpt-tiny")
     for config in (Config(micro_batch=2, precision="bf16-pure", optimizer_8bit=True),
                    Config(micro_batch=2, precision="bf16-pure", offload_optimizer=True),
-                   Config(micro_batch=2, precision="fp32", optimizer_8bit=True, offload_optimizer=True)):
-        if device == "cpu" and config.offload_optimizer:
-            continue  # (offloading is from a GPU)
+                   Config(micro_batch=2, precision="fp32", optimizer_8bit=True, offload_optimizer=True),
+                   Config(micro_batch=2, precision="bf16", optimizer_8bit=True, paged_optimizer=True)):
+        if device == "cpu" and (config.offload_optimizer or config.paged_optimizer):
+            continue  # (offloading and paging are from a GPU)
         *_, alone = state_parts(wl, config, device, optimizer_ops=True)
         ops = probe(wl, config, get_device(device)).ops
         rows = [i for i, phase in enumerate(ops.phase) if phase == "optimizer"]
