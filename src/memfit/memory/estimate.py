@@ -278,9 +278,9 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
                 optimizer_ops: bool = False) -> tuple:
     """`state_split`'s two figures and the gradients' share of the first: what the same family keeps with the
     optimizer step in backward, which holds no gradient buffer, is the first less the third. With
-    `optimizer_ops`, a fourth: the ops of one optimizer step over every trainable parameter (an OpTrace),
-    the same ops a probe's optimizer phase records, at no forward or backward's cost (the planner's bound on
-    a family that differs from one traced only in its optimizer)."""
+    `optimizer_ops`, a fourth: the ops of one optimizer step over every trainable parameter (an OpTrace; None
+    where that step raises), the same ops a probe's optimizer phase records, at no forward or backward's cost
+    (the planner's bound on a family that differs from one traced only in its optimizer)."""
     dev = device if isinstance(device, Device) else get_device(device)
     world = fake_process_group(config.world) if config.world > 1 else contextlib.nullcontext()
     with world, new_fake_mode() as mode, quiet_fake_errors():
@@ -293,7 +293,10 @@ def state_parts(workload: Workload, config: Config, device: str | Device = "cpu"
         storages = {storage_key(t): t.untyped_storage().nbytes() for s in step.state_tensors() for t in held_by(s)}
         grads = {storage_key(t) for p in step.model.parameters() if p.grad is not None for t in held_by(p.grad)}
         if optimizer_ops:
-            ops = _optimizer_ops(step, dev.kind == "cuda")
+            try:
+                ops = _optimizer_ops(step, dev.kind == "cuda")
+            except Exception:  # noqa: BLE001 - an optimizer fake tensors cannot step: its probes say why
+                ops = None
     on_device = {address: n for address, n in storages.items() if address not in host}
     parts = (sum(on_device.values()) + outside_tensors(dev, config), sum(host.values()),
              sum(n for address, n in on_device.items() if address in grads))
