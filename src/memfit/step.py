@@ -110,7 +110,7 @@ class TrainStep:
         self._enter("optimizer")
         if self.tracing and self.in_backward is None and self.optimizer_offload is None and cfg.gpus == 1:
             self.ungraded = [p for p in model.parameters() if p.requires_grad and p.grad is None]
-        self._optimizer_step()
+        self.optimizer_step()
         self.phase = "idle"
         if (self.config.gpus > 1 or self.pipeline is not None) and not self.tracing:
             # the global batch's mean: every data-parallel rank holds an equal share, and in a pipeline only the
@@ -152,7 +152,7 @@ class TrainStep:
                 self.scaler.scale(torch.zeros((), device=self.device))  # creates the scale tensor
             tracing, self.tracing = self.tracing, True  # zero gradients cannot overflow: no host sync needed
             try:
-                self._optimizer_step()
+                self.optimizer_step()
             finally:
                 self.tracing = tracing
             if self.in_backward is not None:  # its steps leave no gradients behind
@@ -200,7 +200,9 @@ class TrainStep:
     def _offload_hooks(self):
         return self.activation_offload.hooks() if self.activation_offload else contextlib.nullcontext()
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
+        """The optimizer phase of a step, on the gradients there are (clipping, loss scale, offload included):
+        the planner also traces it alone, after `prime`, to price a family's update without a whole step."""
         opt, scaler = self.optimizer, self.scaler
         if self.in_backward is not None:  # each parameter was updated in backward (during prime: see there)
             return

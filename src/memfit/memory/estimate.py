@@ -313,7 +313,7 @@ def _optimizer_ops(step: TrainStep, cuda_target: bool):
     recorder.mark("optimizer")
     step.tracing = True  # no host sync of a loss scale (prime's own rule)
     with recorder, chunks_traced_once(recorder):
-        step._optimizer_step()
+        step.optimizer_step()
     if step.config.world == 1 and step.pipeline is None:
         recorder.trace.accumulate = _accumulate_rows(step)
     return recorder.trace

@@ -807,8 +807,9 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     sibling's are the same ops, or more under offload) and, on a GPU, the link time of the bytes the plain
     family moves (offloaded activations; offloaded optimizer) and, where only the sibling offloads its
     optimizer, of every gradient to the host each micro-step and every weight back once; plus the sibling's
-    own optimizer step and its adds of later micro-steps' gradients (_optimizer_seconds); where it may fit, by the plain family's forward and backward peaks
-    less what the sibling's smaller state saves (state floors). A pair without and with every block
+    own optimizer step and its adds of later micro-steps' gradients (_optimizer_seconds); where it may fit,
+    by the plain family's forward and backward peaks less what the sibling's smaller state saves (state
+    floors). A pair without and with every block
     checkpointed is bounded at the every-k checkpointing between them too (_every_k interpolates it): where
     that may beat the plan, both are traced."""
     plains = [families.get(siblings[b]) for b in group]
