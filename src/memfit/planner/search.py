@@ -840,8 +840,8 @@ def _beaten(s: _Search, group: tuple, siblings: dict, families: dict, floors: di
     out = {}
     for b, keep, share, update in zip(group, kept, (0.0, 1.0), updates):
         plain = _family_name(siblings[b])
-        moved = (" and the bytes it moves" if cuda else "") + (", with this family's optimizer step" if any(update)
-                                                                else "")
+        moved = (" and the bytes it moves" if cuda else "") + (
+            ", plus the optimizer step of the family left out" if any(update) else "")
         out[b] = None if keep else (
             f"not traced: over the budget at every micro-batch by {plain}'s forward and backward peaks, less the "
             "state it saves" if not math.isfinite(best[share]) else
