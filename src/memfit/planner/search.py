@@ -463,7 +463,6 @@ class _Search:
     smallest_need: dict = dataclasses.field(default_factory=dict)  # family: the least memory it was found to need
     host_need: dict = dataclasses.field(default_factory=dict)      # family over host_bytes: the host memory it needs
     deep: bool = False  # probed as shallow copies (_floors): one rank's candidates are confirmed counted
-    depth: int | None = None  # the stack depth, where probed as shallow copies
     optimizer_steps: dict = dataclasses.field(default_factory=dict)  # state key: its optimizer step's ops (_floors)
 
     @property
@@ -684,7 +683,6 @@ def _floors(s: _Search, bases: list[Config]) -> tuple[list[Config], dict, int | 
     floors = {key: on_device for key, (on_device, *_) in split.items()}
     host_floors = {key: on_host for key, (_, on_host, *_) in split.items()}
     s.optimizer_steps = {key: ops for key, (*_, ops) in split.items()}
-    s.depth = depth
     if depth:
         s.deep = True
         a, b = depths(s.gpus)
@@ -866,7 +864,7 @@ def _optimizer_seconds(s: _Search, cfg: Config, plain) -> tuple[float, float]:
     if len(seconds) == 1:
         return seconds[0]
     a, b = depths(s.gpus)
-    return tuple(max(0.0, x + (s.depth - a) * (y - x) / (b - a)) for x, y in zip(*seconds))
+    return tuple(max(0.0, x + (plain.depth - a) * (y - x) / (b - a)) for x, y in zip(*seconds))
 
 
 def _probes(s: _Search, bases: list[Config], floors: dict, depth: int | None,
