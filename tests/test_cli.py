@@ -147,6 +147,26 @@ def test_estimate_rich_output_mentions_the_peak(capfd):
     assert "mlp-tiny" in text
 
 
+def test_a_deep_models_estimate_is_counted_from_copies_unless_a_timeline_is_asked_for(capfd, tmp_path):
+    """By default a deep model's step is counted from copies of 1, 2 and 3 blocks (the same bytes, in less
+    time); --html draws the step's timeline, so it traces every block; --blocks auto with it is refused."""
+    deep = ("estimate", "gpt-tiny", "-o", "layers=8", "--micro-batch", "2", "--device", "h100", "--json")
+    code, out, err = _run(capfd, *deep)
+    assert code == 0, err
+    counted = json.loads(out)
+    page = tmp_path / "t.html"
+    code, out, err = _run(capfd, *deep, "--html", str(page))
+    assert code == 0, err
+    whole = json.loads(out)
+    assert counted["extrapolated_from"] == [3, 8] and whole["extrapolated_from"] is None and page.is_file()
+    assert not counted["timeline"]["index"] and whole["timeline"]["index"]
+    for key in ("peak_bytes", "breakdown", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes"):
+        assert counted[key] == whole[key], key
+    _assert_one_line_error(*_run(capfd, *deep, "--blocks", "auto", "--plot", str(tmp_path / "t.png")),
+                           "needs every block traced")
+    assert not (tmp_path / "t.png").exists()
+
+
 # ------------------------------------------------------------------------------------------ summary
 
 

@@ -4,6 +4,7 @@ MoE, vision, a Mamba/attention hybrid whose layers repeat every 2, one whose att
 layers); where it does not apply (an encoder-decoder, a shallow model) the whole model is traced, and nothing
 says extrapolated."""
 import io
+import re
 
 import pytest
 from rich.console import Console
@@ -13,8 +14,8 @@ import transformers  # noqa: E402
 
 from memfit.config import Config  # noqa: E402
 from memfit.memory import streams  # noqa: E402
-from memfit.memory.estimate import estimate  # noqa: E402
-from memfit.memory.extrapolate import estimate_blocks, layer_plan  # noqa: E402
+from memfit.memory.estimate import estimate, probe  # noqa: E402
+from memfit.memory.extrapolate import _at_peak_lists, _keeping_streams, estimate_blocks, layer_plan  # noqa: E402
 from memfit.report.tables import estimate_view  # noqa: E402
 from memfit.workloads import hf  # noqa: E402
 
@@ -37,6 +38,7 @@ KINDS = {
 }
 TRACED = {"jamba": (4, 8), "zamba": (7, 24)}  # (blocks traced at most, of); the others 3 of LAYERS
 FIRST = {"jamba": 0, "zamba": 5}  # the first copy's blocks; the others 1
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 def _workload(kind: str, **fields):
@@ -60,7 +62,33 @@ def test_extrapolated_estimate_is_the_full_trace(kind):
     assert counted.extrapolated_from == (traced, blocks)
     assert counted.notes[0].startswith(f"extrapolated from {traced} of {blocks} blocks")
     assert _figures(counted) == _figures(full)
+    assert counted.top_tensors == _any_block(full.top_tensors)
     assert full.extrapolated_from is None and counted.to_dict()["extrapolated_from"] == (traced, blocks)
+
+
+def _any_block(tensors: list[dict]) -> list[dict]:
+    """A traced estimate's tensor list as a counted one writes it: '#' for a block's index, no empty tensors."""
+    return [dict(t, module=_INDEX.sub(".#", t["module"]), shape=list(t["shape"])) for t in tensors if t["bytes"]]
+
+
+def test_a_counted_estimate_lists_the_whole_traces_tensors_and_modules_at_the_peak():
+    """Where activations make the peak (in backward), the counted estimate's tensors and modules at the peak
+    are the whole trace's: its tensor list with '#' for the block index, and its modules (read from the whole
+    trace's own allocation stream, as the list of 20 leaves most blocks out) with each block's together."""
+    wl = _workload("llama", **KINDS["llama"])
+    config = Config(micro_batch=64, precision="bf16")
+    counted = estimate_blocks(wl, config, "h100", isolate=False)
+    with _keeping_streams():
+        whole = probe(wl, config, "h100", isolate=False)
+    assert counted.extrapolated_from == (3, LAYERS) and counted.peak_phase == whole.estimate.peak_phase == "backward"
+    assert counted.top_tensors == _any_block(whole.estimate.top_tensors)
+    tensors, modules = _at_peak_lists(whole.stream)
+    assert counted.modules == modules and counted.top_tensors == tensors
+    by_block = [m for m, _ in counted.modules if ".#" in m]
+    assert len(by_block) > 5 and sum(n for _, n in counted.modules) == \
+        counted.breakdown["activations"] + counted.breakdown["temporaries"]  # every module listed: 20 hold them
+    assert dict(whole.estimate.modules)["model.layers.0.mlp.up_proj"] * LAYERS == \
+        dict(counted.modules)["model.layers.#.mlp.up_proj"]
 
 
 def test_extrapolated_on_the_cpu():
@@ -69,7 +97,7 @@ def test_extrapolated_on_the_cpu():
     assert counted.extrapolated_from == (3, LAYERS)
     assert _figures(counted) == _figures(estimate(wl, Config(micro_batch=2), "cpu", isolate=False))
     console = Console(width=200, record=True, file=io.StringIO())
-    console.print(estimate_view(counted))  # what `memfit estimate --blocks auto` prints
+    console.print(estimate_view(counted))  # what `memfit estimate` prints
     assert f"extrapolated from 3 of {LAYERS} blocks" in console.export_text().splitlines()[1]
 
 

@@ -226,11 +226,16 @@ def cmd_estimate(args) -> int:
     from memfit.memory.extrapolate import estimate_blocks
 
     _check_counts(args, "micro_batch", "grad_accum", "pp")
+    timeline = args.html or args.plot
+    if args.blocks == "auto" and timeline:
+        raise ConfigError("--html and --plot draw the step's timeline, which needs every block traced: "
+                          "leave out --blocks auto")
     device = get_device(args.device)
     config = _config(args, device)
     workload = _workload(args)
+    blocks = args.blocks or ("all" if timeline else "auto")
     try:
-        est, note = _smallest(args, lambda c: estimate_blocks(workload, c, device, args.blocks), config)
+        est, note = _smallest(args, lambda c: estimate_blocks(workload, c, device, blocks), config)
     except WorkloadError as e:
         if args.precision or args.config or config.precision == "fp32":
             raise
@@ -681,11 +686,12 @@ def _add_estimate_command(sub) -> None:
     p.add_argument("--html", metavar="PATH", help="the step's memory timeline as one self-contained HTML page: "
                                                   "by category and block, the peak's tensors with their source lines")
     p.add_argument("--plot", metavar="PNG", help="the step's memory timeline as a PNG chart")
-    p.add_argument("--blocks", choices=("all", "auto"), default="all",
-                   help="auto: a deep model's step counted from copies of 1, 2 and 3 blocks (of its layer pattern's "
-                        "period for a hybrid, or 0, 1 and 2 periods), checked against the third, where the copies, "
-                        "two at a time, hold at most half its blocks on a core and three quarters in all; no "
-                        "timeline or tensor list then (default: all, every block traced)")
+    p.add_argument("--blocks", choices=("all", "auto"),
+                   help="auto (the default): a deep model's step counted from copies of 1, 2 and 3 blocks (of its "
+                        "layer pattern's period for a hybrid, or 0, 1 and 2 periods), checked event for event "
+                        "against the third, where the copies, two at a time, hold at most half its blocks on a core "
+                        "and three quarters in all; its lists name a block's modules with '#' for the index. all: "
+                        "every block traced (the default with --html or --plot, which draw the step's timeline)")
     p.set_defaults(fn=cmd_estimate)
 
 

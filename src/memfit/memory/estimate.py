@@ -52,6 +52,7 @@ __all__ = ["CATEGORIES", "Category", "Estimate", "EstimateError", "MicroBatchErr
 PROBES = (1, 2)
 PROBES_WITHOUT_1 = (2, 4)
 TOP_TENSORS = 200   # the largest tensors live at the peak an estimate lists (with shape, module, source line)
+MODULES = 20        # the modules with the most activations and temporaries at the peak an estimate lists
 MODULE_GROUPS = 8   # blocks whose activations the timeline keeps apart
 KEEP_STREAMS = False  # set by memory/extrapolate.py in its tracing child: probes keep their allocation stream
 
@@ -804,7 +805,7 @@ def _summarise(workload, config, dev, tracker: LiveBytes, recorder: OpRecorder, 
     return Estimate(
         workload=workload.name, config=config.to_dict(), device=dev.name, method="fake",
         peak_bytes=tracker.peak, breakdown=breakdown, model_state_bytes=model_state, peak_phase=peak_phase,
-        modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:20], top_tensors=top_tensors,
+        modules=sorted(by_module.items(), key=lambda kv: -kv[1])[:MODULES], top_tensors=top_tensors,
         timeline=timeline, flops=sum(recorder.flops_by_module.values()),
         recompute_flops=recorder.recompute_flops, module_flops=dict(recorder.flops_by_module),
         parameters=n_params, notes=notes, device_total_bytes=dev.memory_bytes, module_timeline=module_timeline,

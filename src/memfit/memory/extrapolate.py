@@ -26,9 +26,9 @@ from memfit.errors import ConfigError, MemfitError, first_line
 from memfit.memory import allocator, estimate as traced, streams
 from memfit.memory.copies import shallow
 from memfit.memory.devices import Device, defaults_for, get_device
-from memfit.memory.estimate import CATEGORIES, Estimate
+from memfit.memory.estimate import CATEGORIES, MODULES, TOP_TENSORS, Estimate
 from memfit.memory.isolate import run_isolated_many
-from memfit.memory.tracker import Phase
+from memfit.memory.tracker import Category, Phase
 from memfit.strategies.activation_checkpoint import find_blocks
 from memfit.workload import Workload
 
@@ -323,7 +323,8 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
     steps = (plan.blocks - plan.depths[0]) // plan.period
     if plan.depths[0] + steps * plan.period != plan.blocks:
         return None, f"{plan.blocks} blocks are not {plan.depths[0]} + whole periods of {plan.period}"
-    whole = figures(streams.repeat(first, runs, steps))
+    whole_stream = streams.repeat(first, runs, steps)
+    whole = figures(whole_stream)
     out = dataclasses.replace(deepest, notes=list(deepest.notes))
     out.peak_bytes, out.peak_phase = whole[0], phases[whole[3]]
     out.breakdown = {c: whole[2].get(str(c), 0) for c in deepest.breakdown}
@@ -354,8 +355,9 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
         out.routing = dict(out.routing, bound_peak_bytes=out.peak_bytes, bound_device_peak_bytes=out.device_peak_bytes)
     out.extrapolated_from = (plan.depths[2], plan.blocks)
     out.config = config.to_dict()
-    # what lists tensors, modules or points of the step is the copy's: not printed as the whole model's
-    out.modules, out.top_tensors, out.module_flops = [], [], {}
+    out.top_tensors, out.modules = _at_peak_lists(whole_stream)
+    # what lists points of the step or FLOPs by module is the copy's: not printed as the whole model's
+    out.module_flops = {}
     out.timeline, out.module_timeline = {"index": [], "phase": [], **{c: [] for c in CATEGORIES}}, {}
     out.blocks = []
     out.notes.insert(0, f"extrapolated from {plan.depths[2]} of {plan.blocks} blocks: copies of "
@@ -365,8 +367,23 @@ def _extended(plan: Plan, probes: list, config: Config, dev: Device) -> tuple[Es
                         "add(s), checked event for event against the third copy's own trace"
                         + ("" if differs is None else " (but for the order the tensors alive before the step were "
                                                       "laid out in, sizes tied: the figures the same)")
-                        + "; no timeline or tensor list")
+                        + "; no timeline, and a '#' in a listed module stands for any block's index (a module's "
+                        "bytes are its blocks' together)")
     return out, ""
+
+
+def _at_peak_lists(stream: list[tuple]) -> tuple[list[dict], list[tuple[str, int]]]:
+    """The largest tensors alive at the written stream's peak, and its activations and temporaries by module,
+    as a traced estimate lists them; a module in a block reads with '#' for the block's index, and its bytes
+    are those of every block's."""
+    live = sorted(streams.live_at_peak(stream), key=lambda t: -t[0])  # stable: ties in the order made
+    tensors = [dict(bytes=n, category=Category(c[0]), shape=list(c[4]), dtype=c[3], op=c[2], module=c[5],
+                    phase=Phase(c[1]), source=c[6]) for n, c in live[:TOP_TENSORS]]
+    by_module: dict[str, int] = {}
+    for n, c in live:
+        if c[0] in (Category.ACTIVATIONS, Category.TEMPORARIES):
+            by_module[c[5]] = by_module.get(c[5], 0) + n
+    return tensors, sorted(by_module.items(), key=lambda kv: -kv[1])[:MODULES]
 
 
 class _NotLinear(MemfitError):
