@@ -125,6 +125,9 @@ def test_stream_with_blocks_inserted_repeats():
     assert streams.peak(five) == 5 * 8 + 4 + 5 * 16
     # the frees at the end, with no allocation between them, in the order their storages were made
     assert streams.events(two) == [(0, 8), (1, 8), (2, 4), (3, 16), (4, 16), (2, -4), (3, -16), (4, -16)]
+    # a reading that frees a tensor of a kind none is alive of (BEiT's copies: one way to read them) is no
+    # stream: it differs from the copy's, and the next reading is tried
+    assert streams.differs([(-4, "x", "n", 0)], two) == "other"
 
 
 def test_a_second_copy_read_two_ways_takes_the_reading_the_third_bears_out():
