@@ -130,9 +130,10 @@ def test_one_f_one_b_holds_the_micro_batches_the_closed_form_says():
     """GPipe runs every forward before any backward: stage s holds all n micro-batches' activations, one more
     per micro-batch (A_s, measured as gpipe(n+1) - gpipe(n)). 1F1B holds k = min(pp - s, n): n - k fewer,
     while the engine's receive buffers for the other micro-batches stay allocated on every stage after the
-    first (one hidden state each). The traced activations at each stage's peak follow that exactly."""
+    first (one hidden state each). The traced activations at each stage's peak follow that exactly. n = pp + 1:
+    every stage holds fewer than all n, stage s by s + 1."""
     wl = builtin("gpt-tiny", layers=4)
-    pp, n, micro = 4, 6, 2
+    pp, n, micro = 4, 5, 2
     hidden = micro * 64 * 64 * 4  # gpt-tiny: seq 64, d_model 64, fp32
 
     def activations(schedule, count):
@@ -144,6 +145,7 @@ def test_one_f_one_b_holds_the_micro_batches_the_closed_form_says():
         per_micro_batch = gpipe_more[s] - gpipe[s]
         k = min(pp - s, n)
         idle_buffers = (n - k) * hidden if s > 0 else 0
+        assert per_micro_batch > 0 and n - k == s + 1, s
         assert one_f[s] == gpipe[s] - (n - k) * per_micro_batch + idle_buffers, s
 
 

@@ -25,7 +25,7 @@ def test_lora_is_planned_only_when_allowed_and_says_how_to_train_it():
 
 
 def test_offloading_is_held_to_the_host_memory_given():
-    wl = load_workload("gpt-small", seq=128)
+    wl = load_workload("gpt-small", seq=128, layers=6)  # 92 M parameters: 1.5 GB of state on the host
     fixed = dict(device="h100", precision="bf16", activation_checkpoint="all", offload_activations=False,
                  offload_optimizer=True)
     with pytest.raises(PlanError, match="ruled out by --host-memory 100 MiB") as refused:

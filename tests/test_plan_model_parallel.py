@@ -21,18 +21,20 @@ def test_where_data_parallelism_does_not_fit_a_split_layout_is_chosen_and_traced
     """At 2 H100s and a budget under FSDP2's leanest step (every block checkpointed, micro-batch 1: 2.27 GB on
     this model, NCCL's communicator included), tensor parallelism (which splits every block's checkpointed
     input) fits; the plan is the fastest candidate that fits when traced whole, and its figure is that
-    trace's, to the byte."""
+    trace's, to the byte. A global batch of 4: the pipeline traces its every micro-batch, and 4 still takes the
+    tensor-parallel step (4 micro-steps) through its two-micro-step trace's accumulation."""
     dev = get_device("h100")
-    s = _Search(_long_sequence(), 8, dev, frozenset(), budget_bytes=2_300_000_000, host_bytes=None,
+    s = _Search(_long_sequence(), 4, dev, frozenset(), budget_bytes=2_300_000_000, host_bytes=None,
                 rates=functools.cache(lambda: profile_for(dev)), gpus=2, activation_checkpoint="all", micro_batch=1)
     best, others, verdicts = model_parallel(s, "FSDP's leanest needs 2.39 GiB")
     cfg = best.config
-    assert cfg.tp == 2 and cfg.world == 2 and cfg.global_batch == 8 and best.confirmed
+    assert cfg.tp == 2 and cfg.world == 2 and cfg.global_batch == 4 and cfg.grad_accum == 4 and best.confirmed
     assert best.peak_bytes == best.estimate.device_peak_bytes <= s.usable  # the whole trace's, not extended
     assert best.estimate.config == cfg.to_dict()
     assert verdicts[0][1] == "chosen at micro-batch 1"
+    assert "does not fit" in dict(verdicts)["2 stages x 1 rank, bf16, checkpointing all"]  # a pipeline was priced
     assert any("data parallelism alone does not fit (FSDP's leanest needs 2.39 GiB)" in n for n in s.notes)
-    lean = memfit.estimate(_long_sequence(), memfit.Config(micro_batch=1, grad_accum=4, precision="bf16",
+    lean = memfit.estimate(_long_sequence(), memfit.Config(micro_batch=1, grad_accum=2, precision="bf16",
                                                            activation_checkpoint="all", gpus=2, data_parallel="fsdp"),
                            "h100")
     assert lean.device_peak_bytes > s.usable  # the premise: FSDP alone does not fit
