@@ -33,11 +33,14 @@ KINDS = {
     # Zamba: Mamba layers, from the third on each also running one attention block shared by all (transformers
     # ties its weights); the first copy holds three of its uses (5 blocks), as autograd sums the second use's
     # weight gradient into the first's out of place and each further one in place
+    # BERT: the embeddings' output lives until the last block ends, which frees it and the block before's
+    # output, a middle block only the latter; copies of 1, 2, 3 do not extend, copies of 2, 3, 4 do
+    "bert": dict(SMALL, intermediate_size=128),
     "zamba": dict(SMALL, num_hidden_layers=24, num_key_value_heads=4, intermediate_size=128, attn_layer_period=1,
                   attn_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
 }
-TRACED = {"jamba": (4, 8), "zamba": (7, 24)}  # (blocks traced at most, of); the others 3 of LAYERS
-FIRST = {"jamba": 0, "zamba": 5}  # the first copy's blocks; the others 1
+TRACED = {"jamba": (4, 8), "zamba": (7, 24), "bert": (4, LAYERS)}  # (blocks traced at most, of); others 3 of LAYERS
+FIRST = {"jamba": 0, "zamba": 5}  # the first copy's blocks (of the first copies tried); the others 1
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -61,6 +64,7 @@ def test_extrapolated_estimate_is_the_full_trace(kind):
     assert layer_plan(wl).depths[0] == FIRST.get(kind, 1)
     assert counted.extrapolated_from == (traced, blocks)
     assert counted.notes[0].startswith(f"extrapolated from {traced} of {blocks} blocks")
+    assert (kind == "bert") == any(n.startswith("copies one block shallower were tried first") for n in counted.notes)
     assert _figures(counted) == _figures(full)
     assert counted.top_tensors == _any_block(full.top_tensors)
     assert full.extrapolated_from is None and counted.to_dict()["extrapolated_from"] == (traced, blocks)

@@ -194,23 +194,27 @@ def _keeping_streams():
 _LINEAR = ("flops", "recompute_flops", "parameters", "moved_bytes", "host_peak_bytes")
 
 
-def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool) -> list:
-    """The copies' probes, with their streams. Isolated, each copy is traced in its own forked child, the
-    deepest and the shallowest first, as many at a time as there are cores (fake tracing is one core's Python):
-    on two cores the three take about as long as the deepest alone."""
+def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
+            done: dict | None = None) -> dict:
+    """{depth: its copy's probe, with its stream} for the plan's copies, those in `done` (traced for copies one
+    block shallower) kept. Isolated, each copy is traced in its own forked child, the deepest and the shallowest
+    first, as many at a time as there are cores (fake tracing is one core's Python): on two cores the three
+    take about as long as the deepest alone."""
     def one(depth: int):
         with _keeping_streams():
             return traced.probe(_copy(workload, depth), config, dev, isolate=False)
 
+    out = {d: done[d] for d in plan.depths if d in (done or {})}
+    todo = [d for d in plan.depths if d not in out]
     if not isolate:
-        return [one(d) for d in plan.depths]
-    order = [len(plan.depths) - 1, *range(len(plan.depths) - 1)]
-    done = run_isolated_many([functools.partial(one, plan.depths[i]) for i in order])
-    for kind, value in done:
+        out |= {d: one(d) for d in todo}
+    order = todo[-1:] + todo[:-1]
+    for depth, (kind, value) in zip(order, run_isolated_many([functools.partial(one, d) for d in order])
+                                    if isolate else ()):
         if kind == "error":
             raise value
-    by_depth = dict(zip(order, (value for _, value in done)))
-    return [by_depth[i] for i in range(len(plan.depths))]
+        out[depth] = value
+    return {d: out[d] for d in plan.depths}
 
 
 @dataclasses.dataclass
@@ -224,22 +228,23 @@ class Counted:
     ops: object
 
 
-def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan,
-                 isolate: bool) -> tuple[Counted | None, str, bool]:
-    """(the whole depth counted, "", False) from the three copies, or (None, why not, whether a copy's step
-    raised)."""
+def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
+                 done: dict) -> tuple[Counted | None, str, bool, dict]:
+    """(the whole depth counted, "", False, the copies' probes by depth) from the three copies (those in
+    `done` not traced again), or (None, why not, whether a copy's step raised, the probes traced)."""
     try:
-        probes = _probes(workload, config, dev, plan, isolate)
+        by_depth = _probes(workload, config, dev, plan, isolate, done)
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
-        return None, f"a copy's step raised: {first_line(e)}", True
+        return None, f"a copy's step raised: {first_line(e)}", True, {}
+    probes = [by_depth[d] for d in plan.depths]
     try:
         est, why = _extended(plan, probes, config, dev)
     except Exception as e:  # noqa: BLE001 - a stream this code cannot write: the whole model is traced instead
-        return None, f"its streams could not be written: {first_line(e)}", False
+        return None, f"its streams could not be written: {first_line(e)}", False, by_depth
     if est is None:
-        return None, why, False
+        return None, why, False, by_depth
     steps = (plan.blocks - plan.depths[0]) // plan.period
-    return Counted(est, [p.ops for p in probes[:2]], steps, probes[2].ops), "", False
+    return Counted(est, [p.ops for p in probes[:2]], steps, probes[2].ops), "", False, by_depth
 
 
 def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
@@ -251,15 +256,18 @@ def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
 
 def _counted(workload: Workload, config: Config, dev: Device, plan: Plan,
              isolate: bool) -> tuple[Counted | None, str, Plan]:
-    """`_from_copies`, and once more one block deeper where a copy's own code refused it (dividing by its depth
-    less 1; checkpointing a copy of one block): (the count or None, why not, the copies' plan). The copies
-    trace a long accumulation as two micro-steps (`traced.traced_steps`), and the count adds the rest."""
+    """`_from_copies`, and once more with copies one block deeper where a copy's own code refused it (dividing
+    by its depth less 1; checkpointing a copy of one block) or the copies did not extend, the copies already
+    traced kept (BERT-style encoders, BEiT: the embeddings' output lives until the last block ends, which frees it
+    and the block before's output, a middle block only the latter, so a middle block first shows in a copy of 3:
+    copies of 2, 3, 4). (the count or None, why not, the copies' plan). The
+    copies trace a long accumulation as two micro-steps (`traced.traced_steps`), and the count adds the rest."""
     steps = traced.traced_steps(config)
-    counted, why, raised = _from_copies(workload, steps, dev, plan, isolate)
-    deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if raised else None
+    counted, why, _, done = _from_copies(workload, steps, dev, plan, isolate, {})
+    deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if counted is None else None
     if deeper is not None:
         plan, tried = deeper, why
-        counted, why, _ = _from_copies(workload, steps, dev, plan, isolate)
+        counted, why, _, _ = _from_copies(workload, steps, dev, plan, isolate, done)
         if counted is not None:
             counted.estimate.notes.append(f"copies one block shallower were tried first: {tried}")
     if counted is not None and steps != config:  # the second micro-step at the whole depth, as the rest are
