@@ -56,6 +56,40 @@ def hf_coverage_summary(name: str = "hf_coverage") -> dict:
             "row": {r["arch"]: r for r in rows}}
 
 
+_BYTES = ("peak_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")
+
+
+def _default_vs_whole() -> list[tuple[dict, dict, str]]:
+    """(row of results/hf_coverage_auto.json, the same architecture's row traced whole, what the default did:
+    counted / fallback / whole) for each architecture the default estimated on fake tensors."""
+    whole = {r["arch"]: r for r in results("hf_coverage")}
+    out = []
+    for r in results("hf_coverage_auto"):
+        if r["method"] == "fake":
+            fell = any(n.startswith("traced whole: its copies") for n in r.get("notes") or [])
+            out.append((r, whole[r["arch"]], "counted" if r.get("extrapolated_from") else
+                        "fallback" if fell else "whole"))
+    return out
+
+
+def hf_coverage_auto_summary() -> dict:
+    """memfit estimate's default (counted from copies where that applies) against the whole-model table."""
+    rows = _default_vs_whole()
+
+    def median(values: list[float]) -> float:
+        v, mid = sorted(values), len(values) // 2
+        return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+    out: dict = {"rows": len(rows)}
+    for kind in ("counted", "fallback", "whole"):
+        group = [(r, w) for r, w, k in rows if k == kind]
+        out[kind] = len(group)
+        out[f"{kind}_equal"] = sum(all(r[b] == w[b] for b in _BYTES) for r, w in group)
+        out[f"{kind}_cpu_delta"] = median([r["cpu_s"] - w["cpu_s"] for r, w in group]) if group else 0.0
+        out[f"{kind}_archs"] = ", ".join(r["arch"] for r, _ in group)
+    return out
+
+
 def heldout_summary(name: str) -> dict:
     """Rows of a held-out sweep (results/<name>.json) and how many are within 1%, 0.1% and 0.01% of the truth."""
     rows = results(name)
@@ -75,6 +109,7 @@ def heldout_families_summary() -> dict:
 
 
 DERIVED = {"heldout_families_summary": heldout_families_summary,"hf_coverage_summary": hf_coverage_summary,
+           "hf_coverage_auto_summary": hf_coverage_auto_summary,
            "hf_coverage_vlm_summary": lambda: hf_coverage_summary("hf_coverage_vlm"),
            **{f"{n}_summary": (lambda n=n: heldout_summary(n))
               for n in ("hf_heldout", "hf_heldout_classification", "hf_heldout_image_text")}}
@@ -313,7 +348,16 @@ def t_published_multi_gpu() -> str:
     return table(["run", "published", "memfit allocated", "reserved", "device (+ context, NCCL)", "estimated in"], rows)
 
 
-TABLES = {"published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
+def t_hf_coverage_auto() -> str:
+    rows = [[r["arch"], f"{r['extrapolated_from'][0]} of {r['extrapolated_from'][1]}",
+             f"{r['wall_s']:.1f} s, {r['cpu_s']:.1f} s", f"{w['wall_s']:.1f} s, {w['cpu_s']:.1f} s",
+             "yes" if all(r[b] == w[b] for b in _BYTES) else "**no**"]
+            for r, w, kind in _default_vs_whole() if kind == "counted" and w["wall_s"] > 20]
+    return table(["architecture", "blocks traced", "default: wall, CPU", "traced whole: wall, CPU",
+                  "every byte figure the same"], rows)
+
+
+TABLES = {"hf_coverage_auto": t_hf_coverage_auto, "published_multi_gpu": t_published_multi_gpu, "step_time": t_step_time, "estimate_accuracy": t_estimate_accuracy, "hf_accuracy": t_hf_accuracy, "fit_8b": t_fit_8b,
           "plan_cache": t_plan_cache, "estimate_accumulation": t_estimate_accumulation, "torchtune_8b": t_torchtune_8b, "infer_generate": t_infer_generate,
           "integrations_trainer": t_integrations_trainer,
           "pipeline_parallel": t_pipeline_parallel, "plan_model_parallel": t_plan_model_parallel, "tensor_parallel": t_tensor_parallel,
