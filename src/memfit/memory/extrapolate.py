@@ -130,11 +130,22 @@ def _starts(kinds: list[tuple], least: int) -> list[tuple[int, int, bool]]:
 
 def _per_layer(model: torch.nn.Module, n: int) -> list[list]:
     """A transformers config's lists of one entry per layer (Gemma's `layer_types`: sliding or full attention,
-    the same parameters): part of the layers' pattern, as `with_blocks` cuts them to a copy's depth."""
-    config = getattr(model, "config", None)
-    values = vars(config).values() if hasattr(config, "__dict__") else ()
+    the same parameters): part of the layers' pattern, as `with_blocks` cuts them to a copy's depth. Sub-configs'
+    too (T5Gemma 2's `decoder.layer_types` and `encoder.text_config.layer_types`: its copies cut both stacks)."""
     plain = (str, int, float, bool, type(None))
-    return [v for v in values if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(x, plain) for x in v)]
+    out: list[list] = []
+
+    def walk(config, depth: int) -> None:
+        for v in vars(config).values():
+            if isinstance(v, (list, tuple)) and len(v) == n and all(isinstance(x, plain) for x in v):
+                out.append(v)
+            elif depth < 3 and hasattr(v, "model_type") and hasattr(v, "__dict__"):  # a sub-config
+                walk(v, depth + 1)
+
+    config = getattr(model, "config", None)
+    if hasattr(config, "__dict__"):
+        walk(config, 0)
+    return out
 
 
 def _builds(workload: Workload, layers: str, kinds: list[tuple], depths: tuple[int, ...]) -> bool:
