@@ -38,6 +38,11 @@ def results(name: str):
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
+def _median(values: list[float]) -> float:
+    v, mid = sorted(values), len(values) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
 def hf_coverage_summary(name: str = "hf_coverage") -> dict:
     """Counts and times over results/hf_coverage.json, by outcome; `row` gives one architecture's row."""
     rows = results(name)
@@ -46,12 +51,9 @@ def hf_coverage_summary(name: str = "hf_coverage") -> dict:
     for r in rows:
         by_method[r["method"]] = by_method.get(r["method"], 0) + 1
     builds = len(rows) - by_method.get("refused", 0)
-    walls, cpus = sorted(r["wall_s"] for r in fake), sorted(r["cpu_s"] for r in fake)
-    mid = len(fake) // 2
     return {"total": len(rows), **{k.replace(" ", "_"): v for k, v in by_method.items()}, "builds": builds,
             "fake_share": len(fake) / builds,
-            "median_wall": walls[mid] if len(fake) % 2 else (walls[mid - 1] + walls[mid]) / 2,
-            "median_cpu": cpus[mid] if len(fake) % 2 else (cpus[mid - 1] + cpus[mid]) / 2,
+            "median_wall": _median([r["wall_s"] for r in fake]), "median_cpu": _median([r["cpu_s"] for r in fake]),
             "largest_rss": max(r["tree_rss_bytes"] for r in fake),
             "row": {r["arch"]: r for r in rows}}
 
@@ -75,17 +77,12 @@ def _default_vs_whole() -> list[tuple[dict, dict, str]]:
 def hf_coverage_auto_summary() -> dict:
     """memfit estimate's default (counted from copies where that applies) against the whole-model table."""
     rows = _default_vs_whole()
-
-    def median(values: list[float]) -> float:
-        v, mid = sorted(values), len(values) // 2
-        return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
-
     out: dict = {"rows": len(rows)}
     for kind in ("counted", "fallback", "whole"):
         group = [(r, w) for r, w, k in rows if k == kind]
         out[kind] = len(group)
         out[f"{kind}_equal"] = sum(all(r[b] == w[b] for b in _BYTES) for r, w in group)
-        out[f"{kind}_cpu_delta"] = median([r["cpu_s"] - w["cpu_s"] for r, w in group]) if group else 0.0
+        out[f"{kind}_cpu_delta"] = _median([r["cpu_s"] - w["cpu_s"] for r, w in group]) if group else 0.0
         out[f"{kind}_archs"] = ", ".join(r["arch"] for r, _ in group)
     return out
 

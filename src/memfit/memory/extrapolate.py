@@ -218,13 +218,13 @@ def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate
     out = {d: done[d] for d in plan.depths if d in (done or {})}
     todo = [d for d in plan.depths if d not in out]
     if not isolate:
-        out |= {d: one(d) for d in todo}
-    order = todo[-1:] + todo[:-1]
-    for depth, (kind, value) in zip(order, run_isolated_many([functools.partial(one, d) for d in order])
-                                    if isolate else ()):
-        if kind == "error":
-            raise value
-        out[depth] = value
+        out.update((d, one(d)) for d in todo)
+    else:
+        order = todo[-1:] + todo[:-1]
+        for depth, (kind, value) in zip(order, run_isolated_many([functools.partial(one, d) for d in order])):
+            if kind == "error":
+                raise value
+            out[depth] = value
     return {d: out[d] for d in plan.depths}
 
 
@@ -240,22 +240,22 @@ class Counted:
 
 
 def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
-                 done: dict) -> tuple[Counted | None, str, bool, dict]:
-    """(the whole depth counted, "", False, the copies' probes by depth) from the three copies (those in
-    `done` not traced again), or (None, why not, whether a copy's step raised, the probes traced)."""
+                 done: dict) -> tuple[Counted | None, str, dict]:
+    """(the whole depth counted, "", the copies' probes by depth) from the three copies (those in `done` not
+    traced again), or (None, why not, the probes traced)."""
     try:
         by_depth = _probes(workload, config, dev, plan, isolate, done)
     except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
-        return None, f"a copy's step raised: {first_line(e)}", True, {}
+        return None, f"a copy's step raised: {first_line(e)}", {}
     probes = [by_depth[d] for d in plan.depths]
     try:
         est, why = _extended(plan, probes, config, dev)
     except Exception as e:  # noqa: BLE001 - a stream this code cannot write: the whole model is traced instead
-        return None, f"its streams could not be written: {first_line(e)}", False, by_depth
+        return None, f"its streams could not be written: {first_line(e)}", by_depth
     if est is None:
-        return None, why, False, by_depth
+        return None, why, by_depth
     steps = (plan.blocks - plan.depths[0]) // plan.period
-    return Counted(est, [p.ops for p in probes[:2]], steps, probes[2].ops), "", False, by_depth
+    return Counted(est, [p.ops for p in probes[:2]], steps, probes[2].ops), "", by_depth
 
 
 def _layer_plan_for(workload: Workload, config: Config) -> Plan | None:
@@ -269,16 +269,15 @@ def _counted(workload: Workload, config: Config, dev: Device, plan: Plan,
              isolate: bool) -> tuple[Counted | None, str, Plan]:
     """`_from_copies`, and once more with copies one block deeper where a copy's own code refused it (dividing
     by its depth less 1; checkpointing a copy of one block) or the copies did not extend, the copies already
-    traced kept (BERT-style encoders, BEiT: the embeddings' output lives until the last block ends, which frees it
-    and the block before's output, a middle block only the latter, so a middle block first shows in a copy of 3:
-    copies of 2, 3, 4). (the count or None, why not, the copies' plan). The
+    traced kept (BERT-style encoders, BEiT: the embeddings' output lives until the last block ends, so a middle
+    block first shows in a copy of 3: copies of 2, 3, 4). (the count or None, why not, the copies' plan). The
     copies trace a long accumulation as two micro-steps (`traced.traced_steps`), and the count adds the rest."""
     steps = traced.traced_steps(config)
-    counted, why, _, done = _from_copies(workload, steps, dev, plan, isolate, {})
+    counted, why, done = _from_copies(workload, steps, dev, plan, isolate, {})
     deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if counted is None else None
     if deeper is not None:
         plan, tried = deeper, why
-        counted, why, _, _ = _from_copies(workload, steps, dev, plan, isolate, done)
+        counted, why, _ = _from_copies(workload, steps, dev, plan, isolate, done)
         if counted is not None:
             counted.estimate.notes.append(f"copies one block shallower were tried first: {tried}")
     if counted is not None and steps != config:  # the second micro-step at the whole depth, as the rest are

@@ -120,24 +120,19 @@ def peak(stream: list[tuple]) -> int:
 def live_at_peak(stream: list[tuple]) -> list[tuple]:
     """The allocations (+bytes, class) alive where the live total first reaches its highest, in the order
     they were made, as LiveBytes lists a trace's."""
-    current = top = 0
-    end = 0
+    current = top = end = 0
     for i, t in enumerate(stream):
         current += t[0]
         if current > top:
             top, end = current, i + 1
-    live: dict[tuple, list[int]] = {}
-    made: dict[int, tuple] = {}
-    count = 0
-    for t in stream[:end]:
-        if t[0] > 0:
-            live.setdefault(t, []).append(count)
-            made[count] = t
-            count += 1
-        elif t[0] < 0:
-            keys = live[(-t[0], t[1])]
-            del made[keys.pop(len(keys) - 1 - t[3] if t[2] == "n" else t[3])]
-    return list(made.values())
+    made = [t for t in stream[:end] if t[0]]  # `events` numbers each storage by its allocation's place here
+    alive: dict[int, tuple] = {}
+    for key, delta in events(stream[:end]):
+        if delta > 0:
+            alive[key] = made[key]
+        else:
+            del alive[key]
+    return list(alive.values())
 
 
 def at_peak(stream: list[tuple], first: str) -> tuple[dict[str, int], str]:
