@@ -106,9 +106,13 @@ def allocator_step_peak(workload, config, repeats: int = 2, settle: bool = False
 
 def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
     """fn(rank) on each of n forked processes joined in one gloo process group on this machine; the results,
-    rank 0 first. A rank that raises fails the call with its error; none is left running."""
+    rank 0 first. A rank that raises fails the call with its error, one that ends without a result fails it at
+    once, and ranks that have not all answered within `timeout` seconds fail it too (a rank stuck in a
+    collective would otherwise keep its peers and the caller waiting); none is left running."""
     import multiprocessing as mp
+    import queue
     import socket
+    import time
 
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
@@ -131,13 +135,30 @@ def on_gloo_ranks(n: int, fn, timeout: float = 300.0) -> list:
     procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(n)]
     for p in procs:
         p.start()
+    got: dict = {}
+    answered = False
     try:
-        got = dict(results.get(timeout=timeout) for _ in procs)
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            try:
+                rank, value = results.get(timeout=1.0)
+                got[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            silent = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if silent and results.empty():  # (a rank's queue is flushed before it exits: read what it put first)
+                raise RuntimeError(f"ranks {silent} ended without a result (exit codes "
+                                   f"{[procs[r].exitcode for r in silent]})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks {[r for r in range(n) if r not in got]} gave no result in {timeout:.0f} s")
+        answered = True
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # after a failure the others may wait on the missing rank: ended at once
+            p.join(timeout=10 if answered else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     errors = {r: v for r, v in got.items() if isinstance(v, RuntimeError)}
     if errors:
         raise RuntimeError(f"ranks failed: {errors}")

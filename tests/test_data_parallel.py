@@ -243,6 +243,27 @@ def test_training_on_ranks_equals_one_process(n, layout, chunks):
                                        msg=name)
 
 
+
+def test_the_gloo_harness_fails_on_a_rank_that_ends_silently_or_answers_late():
+    """The ground truth's ranks (truth.on_gloo_ranks) never leave a test waiting: a rank that ends without a
+    result fails the call at once, one that does not answer fails it at the deadline, and none is left."""
+    import os
+    import time
+
+    from truth import on_gloo_ranks
+
+    def ends(rank):
+        if rank == 1:
+            os._exit(3)
+        return rank
+
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] ended without a result \(exit codes \[3\]\)"):
+        on_gloo_ranks(2, ends, timeout=120)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] gave no result in 2 s"):
+        on_gloo_ranks(2, lambda rank: time.sleep(600) if rank == 1 else rank, timeout=2)
+    assert time.monotonic() - started < 60  # (the 600 s sleeper was killed, not waited for)
+
 def _qlora():
     from memfit.workloads.lora import lora
 
