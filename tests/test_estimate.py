@@ -243,6 +243,47 @@ def test_the_callers_garbage_is_not_finalised_in_a_tracing_child(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [f"finalised-in-{os.getpid()}"]
 
 
+
+def test_a_tracing_child_that_stops_making_progress_is_ended_with_one_clear_error(monkeypatch):
+    """A fork copies only the forking thread: a lock another thread holds at that moment stays held in the
+    child for ever. The child, at 0% CPU, is ended with an EstimateError once its process tree has used no CPU
+    for STALL_SECONDS (here 1 s); a child that waits on busy children of its own (a way forked at a value
+    branch) is not."""
+    import threading
+    import time
+
+    from memfit.memory import isolate
+
+    monkeypatch.setattr(isolate, "STALL_SECONDS", 1.0)
+    monkeypatch.setattr(isolate, "_STALL_CHECK_SECONDS", 0.2)
+    held, ready, release = threading.Lock(), threading.Event(), threading.Event()
+
+    def holder():
+        with held:
+            ready.set()
+            release.wait()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    ready.wait()
+    try:
+        with pytest.raises(memfit.memory.estimate.EstimateError, match=r"stopped making progress \(no CPU time for 1 s\)"):
+            isolate.run_isolated(held.acquire)
+    finally:
+        release.set()
+        thread.join()
+
+    def waits_on_a_busy_child():
+        pid = os.fork()
+        if pid == 0:
+            end = time.process_time() + 2.5  # CPU seconds: busy however loaded the machine is
+            while time.process_time() < end:
+                pass
+            os._exit(0)
+        return os.waitpid(pid, 0)[1]
+
+    assert isolate.run_isolated(waits_on_a_busy_child) == 0
+
 def test_a_loss_that_raises_is_reported_as_the_workloads_error():
     wl = memfit.Workload(model=lambda: nn.Linear(4, 4), batch=lambda n: torch.randn(n, 5),
                          loss=lambda m, b: m(b).sum())

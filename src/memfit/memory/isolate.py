@@ -61,10 +61,15 @@ def run_isolated_many(fns: list[Callable], workers: int | None = None,
                     if collecting:
                         gc.enable()
                 running[pid] = (i, path)
-            pid, status = _wait_any(running)  # only our children: a user's own subprocesses keep their status
+            pid, status, stalled = _wait_any(running)  # only ours: a user's own subprocesses keep their status
             i, path = running.pop(pid)
             if on_done is not None:
                 on_done()
+            if stalled:
+                results[i] = ("error", EstimateError(
+                    f"the tracing child stopped making progress (no CPU time for {STALL_SECONDS:.0f} s) and was "
+                    "ended: most likely a lock another thread of this process held when it was forked"))
+                continue
             if os.WIFSIGNALED(status):
                 sig = signal.Signals(os.WTERMSIG(status)).name
                 hint = " (killed: out of host memory?)" if sig == "SIGKILL" else ""
@@ -191,13 +196,86 @@ def heap_frozen() -> bool:
     return _result_path is not None or gc.get_freeze_count() > 0
 
 
-def _wait_any(pids) -> tuple[int, int]:
+STALL_SECONDS = 120.0  # a tracing child (with whatever it forked) that used no CPU this long is stuck
+_STALL_CHECK_SECONDS = 5.0
+
+
+def _wait_any(pids) -> tuple[int, int, bool]:
+    """(pid, status, stalled) of the first of `pids` to end. A child whose process tree uses no CPU for
+    STALL_SECONDS is ended (with its tree) and reported stalled: a fork copies only the forking thread, so a
+    lock another thread held at that moment (a print's, a library's) is never released in the child, which
+    then waits for ever at 0% CPU, and so would this process. Tracing is CPU-bound; what a child waits for
+    (a way forked at a value branch, the kernel-measuring helper it started) is in its tree, and the
+    measuring helper another child started answers within seconds."""
+    stalls = _Stalls()
     while True:
         for pid in pids:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                return done, status
+                return done, status, False
+        stuck = stalls.check(pids)
+        if stuck is not None:
+            _, status = os.waitpid(stuck, 0)
+            return stuck, status, True
         time.sleep(0.01)
+
+
+class _Stalls:
+    """The CPU time each child's process tree has used, read from /proc every _STALL_CHECK_SECONDS; where
+    there is no /proc, nothing is ever stalled."""
+
+    def __init__(self):
+        self.last_check = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {}  # pid: (CPU ticks of its tree, when they last grew)
+
+    def check(self, pids) -> int | None:
+        """A child whose tree stalled, killed with its tree (its status still to be collected), or None."""
+        now = time.monotonic()
+        if now - self.last_check < _STALL_CHECK_SECONDS:
+            return None
+        if now - self.last_check > 3 * _STALL_CHECK_SECONDS:  # this process was stopped or starved too:
+            self.seen.clear()  # the children's silence meanwhile says nothing
+        self.last_check = now
+        table = _processes()
+        if not table:
+            return None
+        children: dict[int, list[int]] = {}
+        for p, (parent, _) in table.items():
+            children.setdefault(parent, []).append(p)
+        for pid in pids:
+            tree, todo = [], [pid]
+            while todo:
+                tree.append(todo.pop())
+                todo += children.get(tree[-1], [])
+            ticks = sum(table[p][1] for p in tree if p in table)
+            before = self.seen.get(pid)
+            if before is None or ticks != before[0]:
+                self.seen[pid] = (ticks, now)
+            elif now - before[1] >= STALL_SECONDS:
+                for p in tree:
+                    with contextlib.suppress(OSError):
+                        os.kill(p, signal.SIGKILL)
+                return pid
+        return None
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, CPU ticks of the process and of its children it has waited for)} from /proc."""
+    out = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # (the command, in parentheses, may hold spaces)
+        except (OSError, IndexError):
+            continue  # (it ended meanwhile)
+        out[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))  # ppid; utime stime cutime cstime
+    return out
 
 
 def _child(fn: Callable, path: str, collecting: bool) -> None:
