@@ -66,7 +66,7 @@ def test_a_deep_models_accumulation_is_counted_from_copies_and_two_micro_steps(d
     assert counted.extrapolated_from == (traced, 12), counted.notes
     if config.activation_checkpoint == "all" and device == "h100":
         plan = layer_plan(wl, 2, "all")
-        copies = _probes(wl, traced_steps(config), get_device(device), plan, isolate=False).values()
+        copies = _probes(wl, traced_steps(config), get_device(device), plan, isolate=False)[0].values()
         a, b, _ = (p.estimate.peak_bytes for p in copies)
         assert {p.estimate.peak_phase for p in copies} == {Phase.BACKWARD} != {counted.peak_phase}
         assert counted.peak_bytes > a + (b - a) * (12 - 2)

@@ -8,6 +8,7 @@ import io
 import re
 
 import pytest
+import torch
 from rich.console import Console
 
 pytest.importorskip("transformers")
@@ -187,3 +188,47 @@ def test_per_layer_config_lists_are_part_of_the_layer_pattern():
     # blocks of its 26: traced whole.
     t5gemma2 = hf.from_config(transformers.AutoConfig.for_model("t5gemma2"), name="t5gemma2", seq=16)
     assert layer_plan(t5gemma2) is None
+
+
+class _Stack(torch.nn.Module):
+    """Twelve identical blocks; the step divides by the depth less 1 (a layer-scaled schedule), or raises at
+    any depth (a model's own dtype error)."""
+
+    def __init__(self, always_raises: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(LAYERS))
+        self.always_raises = always_raises
+
+    def forward(self, x):
+        if self.always_raises:
+            raise RuntimeError("expected m1 and m2 to have the same dtype")
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * (1 + i / (len(self.layers) - 1))
+        return x
+
+
+@pytest.mark.parametrize("always_raises", [False, True])
+def test_copies_one_block_deeper_are_tried_only_where_the_deepest_copy_traced(monkeypatch, always_raises):
+    """A copy of one block that the model's code refuses (a division by its depth less 1) leaves the copies of
+    2 and 3 traced: they are kept, and only the copy of 4 is traced for copies of 2, 3 and 4. Where the deepest
+    copy raised too, deeper copies would: the whole model is traced next, and its error is the estimate's."""
+    from memfit import Workload
+    from memfit.errors import WorkloadError
+    from memfit.memory import extrapolate
+
+    traced = []
+    original = extrapolate.traced.probe
+    monkeypatch.setattr(extrapolate.traced, "probe",
+                        lambda wl, *a, **k: traced.append(len(wl.model().layers)) or original(wl, *a, **k))
+    wl = Workload(model=lambda: _Stack(always_raises), batch=lambda n: torch.randn(n, 8),
+                  loss=lambda model, batch: model(batch).sum())
+    assert layer_plan(wl).depths == (1, 2, 3)
+    if always_raises:
+        with pytest.raises(WorkloadError, match="same dtype"):
+            estimate_blocks(wl, Config(micro_batch=2), isolate=False)
+        assert traced[3:] == [LAYERS] and sorted(traced[:3]) == [1, 2, 3]  # (then the whole model)
+    else:
+        counted = estimate_blocks(wl, Config(micro_batch=2), isolate=False)
+        assert sorted(traced) == [1, 2, 3, 4] and counted.extrapolated_from == (4, LAYERS)
+        assert counted.notes[-1].startswith("copies one block shallower were tried first: a copy's step raised")
+        assert _figures(counted) == _figures(estimate(wl, Config(micro_batch=2), isolate=False))

@@ -206,26 +206,34 @@ _LINEAR = ("flops", "recompute_flops", "parameters", "moved_bytes", "host_peak_b
 
 
 def _probes(workload: Workload, config: Config, dev: Device, plan: Plan, isolate: bool,
-            done: dict | None = None) -> dict:
-    """{depth: its copy's probe, with its stream} for the plan's copies, those in `done` (traced for copies one
-    block shallower) kept. Isolated, each copy is traced in its own forked child, the deepest and the shallowest
-    first, as many at a time as there are cores (fake tracing is one core's Python): on two cores the three
-    take about as long as the deepest alone."""
+            done: dict | None = None) -> tuple[dict, dict]:
+    """({depth: its copy's probe, with its stream}, {depth: what its step raised}) for the plan's copies, those
+    in `done` (traced for copies one block shallower) kept. Isolated, each copy is traced in its own forked
+    child, the deepest and the shallowest first, as many at a time as there are cores (fake tracing is one
+    core's Python): on two cores the three take about as long as the deepest alone."""
     def one(depth: int):
         with _keeping_streams():
             return traced.probe(_copy(workload, depth), config, dev, isolate=False)
 
     out = {d: done[d] for d in plan.depths if d in (done or {})}
     todo = [d for d in plan.depths if d not in out]
+    order = todo[-1:] + todo[:-1]
+    raised = {}
     if not isolate:
-        out.update((d, one(d)) for d in todo)
+        for d in order:
+            try:
+                out[d] = one(d)
+            except MemfitError as e:
+                raised[d] = e
     else:
-        order = todo[-1:] + todo[:-1]
         for depth, (kind, value) in zip(order, run_isolated_many([functools.partial(one, d) for d in order])):
             if kind == "error":
-                raise value
-            out[depth] = value
-    return {d: out[d] for d in plan.depths}
+                if not isinstance(value, MemfitError):
+                    raise value
+                raised[depth] = value
+            else:
+                out[depth] = value
+    return {d: out[d] for d in plan.depths if d in out}, raised
 
 
 @dataclasses.dataclass
@@ -243,10 +251,9 @@ def _from_copies(workload: Workload, config: Config, dev: Device, plan: Plan, is
                  done: dict) -> tuple[Counted | None, str, dict]:
     """(the whole depth counted, "", the copies' probes by depth) from the three copies (those in `done` not
     traced again), or (None, why not, the probes traced)."""
-    try:
-        by_depth = _probes(workload, config, dev, plan, isolate, done)
-    except MemfitError as e:  # a copy the model's code refuses (a division by its depth less 1)
-        return None, f"a copy's step raised: {first_line(e)}", {}
+    by_depth, raised = _probes(workload, config, dev, plan, isolate, done)
+    if raised:  # a copy the model's code refuses (a division by its depth less 1), or a step that raises anyway
+        return None, f"a copy's step raised: {first_line(raised[min(raised)])}", by_depth
     probes = [by_depth[d] for d in plan.depths]
     try:
         est, why = _extended(plan, probes, config, dev)
@@ -270,11 +277,13 @@ def _counted(workload: Workload, config: Config, dev: Device, plan: Plan,
     """`_from_copies`, and once more with copies one block deeper where a copy's own code refused it (dividing
     by its depth less 1; checkpointing a copy of one block) or the copies did not extend, the copies already
     traced kept (BERT-style encoders, BEiT: the embeddings' output lives until the last block ends, so a middle
-    block first shows in a copy of 3: copies of 2, 3, 4). (the count or None, why not, the copies' plan). The
+    block first shows in a copy of 3: copies of 2, 3, 4); not where the deepest copy's step raised (deeper
+    ones would too: yoso's own dtype error). (the count or None, why not, the copies' plan). The
     copies trace a long accumulation as two micro-steps (`traced.traced_steps`), and the count adds the rest."""
     steps = traced.traced_steps(config)
     counted, why, done = _from_copies(workload, steps, dev, plan, isolate, {})
-    deeper = layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint) if counted is None else None
+    deeper = None if counted is not None or plan.depths[-1] not in done else \
+        layer_plan(workload, plan.depths[0] + 1, config.activation_checkpoint)  # (the deepest raised: so would these)
     if deeper is not None:
         plan, tried = deeper, why
         counted, why, _ = _from_copies(workload, steps, dev, plan, isolate, done)
