@@ -8,8 +8,8 @@ import pytest
 
 from memfit.config import Config
 from memfit.memory import estimate as estimate_module
+from memfit.memory import extrapolate
 from memfit.memory.estimate import probe
-from memfit.memory.devices import get_device
 from memfit.memory.estimate import traced_steps
 from memfit.memory.extrapolate import _probes, estimate_blocks, layer_plan
 from memfit.memory.tracker import Phase
@@ -44,9 +44,12 @@ def _whole(monkeypatch, fn):
 ])
 def test_an_accumulation_counted_from_two_micro_steps_has_every_figure_of_one_traced_whole(
         workload, device, config, monkeypatch):
-    wl = _gpt2() if workload == "gpt2" else builtin(workload)
+    """moe-tiny with one block: its routed experts (top-2 of 8) are what the case is for, not its depth."""
+    wl = _gpt2() if workload == "gpt2" else builtin(workload, **({"layers": 1} if workload == "moe-tiny" else {}))
     counted = probe(wl, config, device, isolate=False).estimate
     whole = _whole(monkeypatch, lambda: probe(wl, config, device, isolate=False).estimate)
+    if workload == "moe-tiny":  # the premise: the step routes tokens to experts
+        assert counted.routing and counted.routing["routers"] == "top-2 of 8"
     assert {f: getattr(counted, f) for f in TRACED} == {f: getattr(whole, f) for f in TRACED}
     assert any("traced as 2" in n for n in counted.notes)
     assert not any("traced as 2" in n for n in whole.notes)
@@ -61,12 +64,18 @@ def test_a_deep_models_accumulation_is_counted_from_copies_and_two_micro_steps(d
     temporaries outgrow backward's): the peak, its phase and its categories are read from the whole depth's
     written stream, not from the line through the copies."""
     wl = builtin("gpt-tiny", layers=12)
-    counted = estimate_blocks(wl, config, device, "auto", isolate=False)
+    used = []  # the copies the count is read from (plan, config, probes by depth): read below, not traced again
+    with monkeypatch.context() as m:
+        m.setattr(extrapolate, "_probes", lambda w, c, d, plan, *a, **k:
+                  used.append((plan, c, _probes(w, c, d, plan, *a, **k))) or used[-1][2])
+        counted = estimate_blocks(wl, config, device, "auto", isolate=False)
     whole = _whole(monkeypatch, lambda: estimate_blocks(wl, config, device, "all", isolate=False))
     assert counted.extrapolated_from == (traced, 12), counted.notes
     if config.activation_checkpoint == "all" and device == "h100":
         plan = layer_plan(wl, 2, "all")
-        copies = _probes(wl, traced_steps(config), get_device(device), plan, isolate=False)[0].values()
+        [(used_plan, used_config, (by_depth, _))] = used
+        assert used_plan.depths == plan.depths and used_config == traced_steps(config)
+        copies = [by_depth[d] for d in plan.depths]
         a, b, _ = (p.estimate.peak_bytes for p in copies)
         assert {p.estimate.peak_phase for p in copies} == {Phase.BACKWARD} != {counted.peak_phase}
         assert counted.peak_bytes > a + (b - a) * (12 - 2)

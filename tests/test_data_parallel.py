@@ -449,7 +449,8 @@ def test_collectives_are_priced_in_nccl_bus_bandwidth_terms():
 def test_plan_across_ranks_searches_layouts_and_refuses_what_it_cannot_price():
     from memfit.planner.search import plan
 
-    result = plan(builtin("gpt-tiny"), 64, device="h100", gpus=16, precision="bf16", activation_checkpoint="none")
+    result = plan(builtin("gpt-tiny", layers=1), 64, device="h100", gpus=16, precision="bf16",
+                  activation_checkpoint="none")
     assert result.config.gpus == 16 and result.config.global_batch == 64
     names = [family for family, _ in result.families]
     assert {n.split(",")[0] for n in names} == {"ddp", "fsdp", "fsdp-no-reshard", "hsdp"}  # hsdp: two nodes of 8
@@ -511,7 +512,7 @@ def test_gpu_counts_and_a_plan_per_count():
     for bad in ("0-4", "8-2", "x"):
         with pytest.raises(ConfigError):
             gpu_counts(bad)
-    rows = plan_counts(builtin("gpt-tiny"), 24, [1, 2, 16], device="h100", precision="bf16",
+    rows = plan_counts(builtin("gpt-tiny", layers=1), 24, [1, 2, 16], device="h100", precision="bf16",
                        activation_checkpoint="none")
     assert [r["gpus"] for r in rows] == [1, 2, 16]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["plan"].config.gpus == 2
@@ -579,8 +580,8 @@ def test_a_range_of_counts_with_a_layout_plans_one_gpu_unsharded():
     """`--gpus 1-2 --data-parallel fsdp`: one GPU has nothing to shard; its row is the unsharded plan, said."""
     from memfit.planner.search import plan_counts
 
-    rows = plan_counts(builtin("gpt-tiny"), 8, [1, 2], device="h100", precision="bf16", activation_checkpoint="none",
-                       data_parallel="fsdp")
+    rows = plan_counts(builtin("gpt-tiny", layers=1), 8, [1, 2], device="h100", precision="bf16",
+                       activation_checkpoint="none", data_parallel="fsdp")
     one, two = (r["plan"] for r in rows)
     assert one.config.data_parallel == "none" and two.config.data_parallel == "fsdp"
     assert any("planned unsharded" in n for n in one.notes)

@@ -59,14 +59,19 @@ def test_mixed_precision_adam_costs_16_bytes_per_parameter_as_in_zero():
 
 
 FAKE_MODELS = ["gpt_sdpa", "vit", "embedding_bag", "inplace_tied", "rnn_gru", "custom_function", "wav2vec2_ctc"]
+# the GRU at half its sequence and width: the real step's profile, one op per time step, then takes half as long
+# (~2 s, not ~4), and the peak is still the forward's, the activations its largest part (38%; 40% at 32 x 64)
+SIZES = {"rnn_gru": dict(seq=16, hidden=32)}
 
 
 @pytest.mark.parametrize("name", FAKE_MODELS)
 def test_peak_matches_the_profiler_on_models_not_written_for_memfit(name):
-    wl = models.ALL[name]()
+    wl = models.ALL[name](**SIZES.get(name, {}))
     cfg = Config(micro_batch=4)
     est = memfit.estimate(wl, cfg)
     assert est.method == "fake"
+    if name == "rnn_gru":  # the premise: the GRU's activations make the peak, not its weights
+        assert est.peak_phase == "forward" and est.breakdown["activations"] > est.peak_bytes / 3
     assert est.peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01)
 
 
@@ -202,8 +207,8 @@ def test_parameters_without_gradients_get_no_optimizer_state():
 
 
 def test_optimizers_match_the_profiler():
-    for opt in ("sgd", "adam", "adagrad"):
-        wl = models.gpt_sdpa(optimizer=opt)
+    for opt in ("sgd", "adam", "adagrad"):  # one block: the optimizer's state is per parameter, not per block
+        wl = models.gpt_sdpa(optimizer=opt, layers=1)
         cfg = Config(micro_batch=2)
         assert memfit.estimate(wl, cfg).peak_bytes == pytest.approx(real_step_peak(wl, cfg), rel=0.01), opt
 

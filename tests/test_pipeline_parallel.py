@@ -131,9 +131,10 @@ def test_one_f_one_b_holds_the_micro_batches_the_closed_form_says():
     per micro-batch (A_s, measured as gpipe(n+1) - gpipe(n)). 1F1B holds k = min(pp - s, n): n - k fewer,
     while the engine's receive buffers for the other micro-batches stay allocated on every stage after the
     first (one hidden state each). The traced activations at each stage's peak follow that exactly. n = pp + 1:
-    every stage holds fewer than all n, stage s by s + 1."""
-    wl = builtin("gpt-tiny", layers=4)
-    pp, n, micro = 4, 5, 2
+    every stage holds fewer than all n, stage s by s + 1. Three stages of a block each: a first, a middle (which
+    both receives and sends) and a last."""
+    wl = builtin("gpt-tiny", layers=3)
+    pp, n, micro = 3, 4, 2
     hidden = micro * 64 * 64 * 4  # gpt-tiny: seq 64, d_model 64, fp32
 
     def activations(schedule, count):

@@ -29,7 +29,9 @@ FLAT = Profile(device="test", kind="cpu", source="fixed test figures",
 
 @pytest.fixture(scope="module")
 def gpt():
-    return builtin("gpt-tiny", layers=4)
+    """gpt-tiny's own 2 blocks (4 took a third longer to plan: ~9 s over the tests that use it); each test here
+    asserts what it needs of the model (the micro-batch it plans, its families' verdicts)."""
+    return builtin("gpt-tiny", layers=2)
 
 
 def test_budgets_are_sizes_shares_or_the_whole_device():
@@ -601,7 +603,7 @@ def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
     full estimate at their own count."""
     from memfit.planner.search import plan_counts
 
-    wl = builtin("gpt-tiny", d_model=512, layers=4)
+    wl = builtin("gpt-tiny", d_model=512, layers=2)
     rows = plan_counts(wl, 64, [2, 16], device="h100", precision="bf16", activation_checkpoint="all",
                        data_parallel="fsdp")
     assert [r["plan"].confirmed for r in rows] == [True, False]
@@ -612,15 +614,15 @@ def test_gpu_counts_share_their_traces_and_the_fewest_are_confirmed():
 
 
 def test_bf16_weights_on_the_gpu_with_fp32_master_weights_on_the_host_are_searched():
-    """gpt-small with 6 blocks at seq 128: bf16 autocast with optimizer offload keeps fp32 weights on the GPU
-    (1.18 GiB with the context); bf16-pure with optimizer offload keeps bf16 ones (0.80 GiB) and fp32 master
+    """gpt-small with 2 blocks at seq 128: bf16 autocast with optimizer offload keeps fp32 weights on the GPU
+    (1.03 GiB with the context); bf16-pure with optimizer offload keeps bf16 ones (0.75 GiB) and fp32 master
     weights and optimizer state on the host. At 1 GiB only the second fits; the plan finds it without being told.
     Where bf16-pure is searched, autocast with optimizer offload is not traced beside its bf16-pure twin: the
     twin holds less and runs faster. The dominance, checked on the pair traced: at every micro-batch and
     accumulation, less memory and less time."""
     from memfit.memory.estimate import probe_pair
     from memfit.planner.search import _Family
-    wl, dev = builtin("gpt-small", seq=128, layers=6), get_device("h100")  # 6 blocks: half the tracing of 12
+    wl, dev = builtin("gpt-small", seq=128, layers=2), get_device("h100")  # 2 blocks: a sixth of the tracing of 12
     p = plan(wl, 2, device=dev, budget="1GiB", micro_batch=1, activation_checkpoint="all",
              offload_activations=False)
     assert (p.config.precision, p.config.offload_optimizer) == ("bf16-pure", True)

@@ -24,7 +24,7 @@ def _key(workload, config=Config(), device="h100"):
 
 
 def test_a_second_plan_traces_nothing_and_answers_the_same(cache_on, monkeypatch):
-    wl = builtin("gpt-tiny", layers=4)
+    wl = builtin("gpt-tiny", layers=2)
     first = plan(wl, 16, budget="1GiB", device="h100")
     assert list(cache_on.glob("*.pkl"))
 
@@ -32,7 +32,7 @@ def test_a_second_plan_traces_nothing_and_answers_the_same(cache_on, monkeypatch
         raise AssertionError("a cached plan traced again")
 
     monkeypatch.setattr(trace_cache, "run_isolated_many", traced)
-    again = plan(builtin("gpt-tiny", layers=4), 16, budget="1GiB", device="h100")
+    again = plan(builtin("gpt-tiny", layers=2), 16, budget="1GiB", device="h100")
     assert again.to_dict() == first.to_dict()
 
 
@@ -68,5 +68,5 @@ def test_what_cannot_be_described_is_not_cached(cache_on):
 def test_off_writes_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv("MEMFIT_TRACE_CACHE", "0")
     monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
-    plan(builtin("gpt-tiny", layers=2), 8, budget="1GiB", device="h100")
+    plan(builtin("gpt-tiny", layers=1), 8, budget="1GiB", device="h100")
     assert not (tmp_path / "traces").exists()
