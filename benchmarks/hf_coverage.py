@@ -238,8 +238,10 @@ def main() -> None:
         redone = {r["arch"]: r for r in rows}
         table = [redone.pop(r["arch"], r) for r in before] + list(redone.values()) if args.only else rows
         Path(args.out).write_text(json.dumps(table, indent=1))
+    title = "transformers coverage, memfit estimate's default (`benchmarks/hf_coverage.py --blocks auto`)" \
+        if args.blocks == "auto" else "transformers coverage (`benchmarks/hf_coverage.py`)"
     Path(args.out).with_suffix(".md").write_text(  # the whole table, rows redone by --only in their places
-        f"# transformers coverage (`benchmarks/hf_coverage.py`)\n\nH100 target, bf16, micro-batch 1, seq {SEQ} "
+        f"# {title}\n\nH100 target, bf16, micro-batch 1, seq {SEQ} "
         f"(image models at their image size; vision-language models {VLM_SEQ}, one image per row), library-default "
         f"configs.\n\n{summary(table)}\n{markdown(table)}")
     print(summary(rows))
